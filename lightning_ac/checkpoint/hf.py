@@ -1,0 +1,47 @@
+"""The ``hf`` engine: transformers' own ``activation_checkpointing_enable`` with our arguments."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from torch import nn
+
+from lightning_ac.config import ActivationCheckpointingConfig, ConfigError
+
+__all__ = ["enable_hf_checkpointing", "HF_ATTRIBUTES"]
+
+# Attributes transformers sets while enabling checkpointing; the plan's journal restores them.
+HF_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func", "_require_grads_hook", "_require_grads_hooks")
+
+
+def enable_hf_checkpointing(
+    models: List[nn.Module],
+    layers: List[nn.Module],
+    config: ActivationCheckpointingConfig,
+    context_fn: Optional[Callable[[], Any]] = None,
+) -> List[bool]:
+    """Turn on transformers' checkpointing on each model.
+
+    Args:
+        models: Outermost ``PreTrainedModel`` instances.
+        layers: Their decoder layers, in order, to report which ones checkpoint.
+        config: The validated block (kwargs, reentrant, every_n_layers).
+        context_fn: A ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant only), e.g. a SAC policy.
+
+    Returns:
+        For each layer, whether it is checkpointed.
+    """
+    kwargs: Dict[str, Any] = dict(config.checkpoint_kwargs)
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    for model in models:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"activation_checkpointing: {type(model).__name__} does not support transformers' activation "
+                "checkpointing. Pass layers=[<decoder layer class>] to ActivationCheckpointing to wrap its "
+                "layers with torch's checkpoint instead."
+            )
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs, every_n_layers=config.every_n_layers
+        )
+    return [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]

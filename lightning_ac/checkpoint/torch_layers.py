@@ -1,0 +1,71 @@
+"""Checkpointing for plain torch layers: the equivalent of transformers' wrapper, installed per instance.
+
+The wrapper replaces the layer instance's ``forward`` (not ``__call__``), as transformers does, so module
+hooks stay outside the checkpoint and do not run twice. Nothing is re-parented, so ``state_dict`` keys do
+not change; removing the instance attribute restores the class's ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ac.config import ActivationCheckpointingConfig
+
+__all__ = ["wrap_layers", "TORCH_ATTRIBUTES"]
+
+TORCH_ATTRIBUTES = ("forward",)
+# Keyword arguments that would make a layer write to a KV cache twice (once more in the recompute).
+_CACHE_FLAGS = ("use_cache",)
+
+
+def _checkpointed_forward(
+    layer: nn.Module, forward: Callable[..., Any], checkpoint_kwargs: Dict[str, Any]
+) -> Callable[..., Any]:
+    reentrant = checkpoint_kwargs.get("use_reentrant", False)
+
+    @functools.wraps(forward)
+    def forward_with_checkpointing(*args: Any, **kwargs: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        for flag in _CACHE_FLAGS:
+            if kwargs.get(flag):
+                kwargs[flag] = False
+        if reentrant:
+            # Reentrant checkpoint only backpropagates into its region when an input requires grad. With a
+            # frozen base (LoRA), the first layer's input does not, and the adapters' gradients would vanish.
+            args = tuple(
+                a.detach().requires_grad_(True)
+                if isinstance(a, torch.Tensor) and a.is_floating_point() and not a.requires_grad
+                else a
+                for a in args
+            )
+        return checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
+
+    return forward_with_checkpointing
+
+
+def wrap_layers(
+    layers: List[nn.Module],
+    config: ActivationCheckpointingConfig,
+    context_fn: Optional[Callable[[], Any]] = None,
+) -> List[bool]:
+    """Checkpoint every ``every_n_layers``-th layer with ``torch.utils.checkpoint``.
+
+    Returns:
+        For each layer, whether it is checkpointed.
+    """
+    kwargs: Dict[str, Any] = dict(config.checkpoint_kwargs)
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    applied = []
+    for index, layer in enumerate(layers):
+        wrap = index % config.every_n_layers == 0
+        if wrap:
+            layer.forward = _checkpointed_forward(layer, layer.forward, kwargs)  # type: ignore[method-assign]
+        applied.append(wrap)
+    return applied

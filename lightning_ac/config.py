@@ -1,0 +1,403 @@
+"""The ``activation_checkpointing`` block: typed dataclasses, validation and normalisation.
+
+One source of truth for the rules: :func:`parse_config` validates every form a user can write (``bool``,
+``None``, a mapping, an OmegaConf ``DictConfig`` or an already-built dataclass), and the callbacks validate
+through the same function. The dataclasses double as Hydra structured configs, so the fields that accept
+several forms (``selective``, the offload targets) are typed ``Any`` for OmegaConf and normalised here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+import torch.utils.checkpoint
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "ConfigError",
+    "OffloadConfig",
+    "Placement",
+    "SelectiveConfig",
+    "parse_config",
+    "parse_placement",
+    "CHECKPOINT_KWARGS",
+]
+
+
+class ConfigError(ValueError):
+    """A rejected ``activation_checkpointing`` block or callback argument.
+
+    The message names the field, the value that was given, and how to fix it.
+    """
+
+
+class Placement(str, Enum):
+    """Where an offload target's tensors live. Compares equal to its string value (``"cpu"``)."""
+
+    none = "none"
+    cpu = "cpu"
+    disk = "disk"
+
+    def __str__(self) -> str:  # "cpu", not "Placement.cpu", in messages and YAML
+        return self.value
+
+
+DEFAULT_SAVE = ("attention",)
+DEFAULT_RECOMPUTE_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclass
+class SelectiveConfig:
+    """Selective activation checkpointing: which ops a checkpointed layer saves instead of recomputing.
+
+    Attributes:
+        save: Op names matched as substrings of the qualified op name (``aten::mm``); ``attention`` names
+            the attention kernels. ``[]`` saves nothing through the list.
+        save_modules: Module names (exact, dotted suffix or glob) whose matmuls are saved.
+        save_matmul_min_k: Save every matmul whose contraction dim is at least this (``>= 1``).
+        save_sliding_window: Also save sliding-window attention calls.
+        recompute_layer_types: Layer types whose attention is recomputed rather than saved.
+    """
+
+    save: List[str] = field(default_factory=lambda: list(DEFAULT_SAVE))
+    save_modules: List[str] = field(default_factory=list)
+    save_matmul_min_k: Optional[int] = None
+    save_sliding_window: bool = False
+    recompute_layer_types: List[str] = field(default_factory=lambda: list(DEFAULT_RECOMPUTE_LAYER_TYPES))
+
+
+@dataclass
+class OffloadConfig:
+    """Where each offload target's tensors go: ``none`` (default) or ``cpu``; ``true``/``false`` mean cpu/none.
+
+    Attributes:
+        hidden_states: Each checkpointed decoder layer's input.
+        selective: What the selective policy saves.
+        all: Every activation saved during the training forward.
+    """
+
+    hidden_states: Any = Placement.none
+    selective: Any = Placement.none
+    all: Any = Placement.none
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` block.
+
+    After :func:`parse_config`, ``selective`` is ``None`` or a :class:`SelectiveConfig`, ``kwargs`` a plain
+    dict, and every offload target a :class:`Placement`.
+
+    Attributes:
+        enabled: Recompute decoder layers in backward. ``False`` leaves only ``offload.all`` in effect.
+        implementation: ``hf`` (transformers' checkpointing) or ``fsdp`` (FSDP2's checkpoint wrapper).
+        reentrant: ``use_reentrant``; ``None`` picks the default (non-reentrant).
+        kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments, plus ``every_n_layers``.
+        selective: Selective activation checkpointing, ``None`` when off.
+        offload: Offload placement of each target.
+    """
+
+    enabled: bool = True
+    implementation: str = "hf"
+    reentrant: Optional[bool] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    selective: Any = None
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    @property
+    def use_reentrant(self) -> bool:
+        """The resolved ``use_reentrant``: ``reentrant`` when set, else non-reentrant."""
+        return bool(self.reentrant)
+
+    @property
+    def every_n_layers(self) -> int:
+        """Checkpoint every n-th decoder layer (``kwargs.every_n_layers``, default 1)."""
+        return int(self.kwargs.get("every_n_layers", 1))
+
+    @property
+    def checkpoint_kwargs(self) -> Dict[str, Any]:
+        """The keyword arguments handed to ``torch.utils.checkpoint.checkpoint`` (``use_reentrant`` included)."""
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "every_n_layers"}
+        return {"use_reentrant": self.use_reentrant, **kwargs}
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the block asks for anything at all (recompute or any offload)."""
+        return self.enabled or self.offload.all != Placement.none
+
+
+IMPLEMENTATIONS = ("hf", "fsdp")
+
+# What torch.utils.checkpoint.checkpoint accepts besides the function, its inputs and the keys we set ourselves.
+# preserve_rng_state is read from **kwargs by torch; the rest are named parameters in 2.13.
+_SET_BY_US = {"context_fn", "respect_saved_tensors_hooks"}
+CHECKPOINT_KWARGS = frozenset(
+    {"preserve_rng_state"}
+    | {
+        name
+        for name, p in inspect.signature(torch.utils.checkpoint.checkpoint).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _SET_BY_US | {"use_reentrant"}
+    }
+)
+_KWARG_TYPES: Dict[str, tuple] = {
+    "preserve_rng_state": (bool,),
+    "debug": (bool,),
+    "early_stop": (bool,),
+    "determinism_check": (str,),
+}
+_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationCheckpointingConfig))
+_SELECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SelectiveConfig))
+_OFFLOAD_TARGETS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+
+
+def _plain(value: Any) -> Any:
+    """DictConfig/ListConfig -> plain containers; dataclasses -> dicts (one level, fields kept as they are)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
+
+
+def _reject_unknown(mapping: Mapping, known: tuple, where: str) -> None:
+    unknown = [k for k in mapping if k not in known]
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}. "
+            f"Valid fields are: {', '.join(known)}. Check the spelling or remove the field."
+        )
+
+
+def _parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[bool]:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        expected = "true, false or null" if allow_none else "true or false"
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}. Set {name} to {expected}.")
+    return value
+
+
+def parse_placement(value: Any, name: str) -> Placement:
+    """Normalise one offload target (``none``/``cpu``/``true``/``false``); ``disk`` is rejected for now."""
+    if isinstance(value, bool):
+        return Placement.cpu if value else Placement.none
+    if value is None:
+        return Placement.none
+    if isinstance(value, str) and value.lower() in Placement.__members__:
+        placement = Placement(value.lower())
+        if placement is Placement.disk:
+            raise ConfigError(
+                f"{name}: 'disk' is rejected for now: disk offload is disabled pending a fix. "
+                f"Use {name}: cpu to keep these tensors in host memory instead."
+            )
+        return placement
+    raise ConfigError(f"{name}: expected none, cpu (or true/false), got {value!r}. Set {name}: cpu or {name}: none.")
+
+
+def _parse_str_list(value: Any, name: str) -> List[str]:
+    if isinstance(value, str):
+        raise ConfigError(f"{name}: expected a list of strings, got the string {value!r}. Write {name}: [{value}].")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{name}: expected a list of non-empty strings, got {value!r}.")
+    return list(value)
+
+
+def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
+    value = _plain(value)
+    if value is None or value is False:
+        return None
+    if value is True:
+        return SelectiveConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"activation_checkpointing.selective: expected true, false or a mapping, got {value!r}. "
+            "Write selective: true to save attention, or selective: {save: [attention]}."
+        )
+    _reject_unknown(value, _SELECTIVE_FIELDS, "activation_checkpointing.selective")
+    where = "activation_checkpointing.selective"
+    defaults = SelectiveConfig()
+    min_k = value.get("save_matmul_min_k", None)
+    if min_k is not None and (isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1):
+        raise ConfigError(
+            f"{where}.save_matmul_min_k: expected an integer >= 1 (a matmul's contraction dim), got {min_k!r}. "
+            "Set it to a linear layer's in_features, e.g. 4096, or leave it out."
+        )
+    return SelectiveConfig(
+        save=_parse_str_list(value.get("save", defaults.save), f"{where}.save"),
+        save_modules=_parse_str_list(value.get("save_modules", defaults.save_modules), f"{where}.save_modules"),
+        save_matmul_min_k=min_k,
+        save_sliding_window=bool(
+            _parse_bool(value.get("save_sliding_window", False), f"{where}.save_sliding_window")
+        ),
+        recompute_layer_types=_parse_str_list(
+            value.get("recompute_layer_types", defaults.recompute_layer_types), f"{where}.recompute_layer_types"
+        ),
+    )
+
+
+def _parse_kwargs(value: Any) -> Dict[str, Any]:
+    value = _plain(value)
+    if value is None:
+        return {}
+    where = "activation_checkpointing.kwargs"
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of torch.utils.checkpoint arguments, got {value!r}.")
+    kwargs = dict(value)
+    for key, arg in kwargs.items():
+        if key in _SET_BY_US:
+            raise ConfigError(
+                f"{where}.{key}: lightning_ac sets {key} itself, so it cannot be passed. Remove it from kwargs."
+            )
+        if key == "offload":
+            raise ConfigError(
+                f"{where}.offload: offloading is configured in the offload mapping, not in kwargs. "
+                "Remove kwargs.offload and set activation_checkpointing.offload.hidden_states: cpu."
+            )
+        if key == "use_reentrant":
+            raise ConfigError(
+                f"{where}.use_reentrant: set activation_checkpointing.reentrant: {str(arg).lower()} instead "
+                "of passing use_reentrant in kwargs."
+            )
+        if key == "every_n_layers":
+            if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
+                raise ConfigError(
+                    f"{where}.every_n_layers: expected an integer >= 1, got {arg!r}. "
+                    "Use 1 to checkpoint every decoder layer, 2 for every second one."
+                )
+            continue
+        if key not in CHECKPOINT_KWARGS:
+            raise ConfigError(
+                f"{where}.{key}: torch.utils.checkpoint.checkpoint does not accept {key!r}; torch would pass it "
+                "on to each checkpointed layer's forward, where it is ignored or overrides the layer's own "
+                f"argument. Accepted keys: {', '.join(sorted(CHECKPOINT_KWARGS | {'every_n_layers'}))}."
+            )
+        types = _KWARG_TYPES.get(key)
+        if types and not isinstance(arg, types):
+            raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, got {arg!r}.")
+    if "determinism_check" in kwargs and kwargs["determinism_check"] not in ("default", "none"):
+        raise ConfigError(
+            f"{where}.determinism_check: expected 'default' or 'none', got {kwargs['determinism_check']!r}."
+        )
+    return kwargs
+
+
+def _parse_offload(value: Any) -> OffloadConfig:
+    value = _plain(value)
+    if value is None:
+        return OffloadConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"activation_checkpointing.offload: offload is a mapping, not a value; got {value!r}. "
+            "Name a target, e.g. offload: {all: cpu} or offload: {hidden_states: cpu}."
+        )
+    _reject_unknown(value, _OFFLOAD_TARGETS, "activation_checkpointing.offload")
+    return OffloadConfig(
+        **{t: parse_placement(value.get(t), f"activation_checkpointing.offload.{t}") for t in _OFFLOAD_TARGETS}
+    )
+
+
+def _check_combination(cfg: ActivationCheckpointingConfig) -> None:
+    """The rules that tie fields together; shared by YAML and Python."""
+    off = Placement.none
+    if not cfg.enabled:
+        ignored = []
+        if cfg.selective is not None:
+            ignored.append("selective")
+        if cfg.offload.hidden_states != off:
+            ignored.append("offload.hidden_states")
+        if cfg.offload.selective != off:
+            ignored.append("offload.selective")
+        if cfg.reentrant is not None:
+            ignored.append("reentrant")
+        if cfg.kwargs:
+            ignored.append("kwargs")
+        if cfg.implementation == "fsdp":
+            ignored.append("implementation: fsdp")
+        if ignored:
+            raise ConfigError(
+                f"activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all "
+                f"applies, but {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set. "
+                "Set enabled: true to recompute decoder layers, or remove "
+                f"{', '.join(i.split(':')[0] for i in ignored)}."
+            )
+    if cfg.offload.hidden_states != off and cfg.offload.all != off:
+        raise ConfigError(
+            "activation_checkpointing.offload: hidden_states: cpu cannot be combined with all: cpu, which "
+            "already offloads each layer's input. Keep one of them."
+        )
+    if cfg.offload.selective != off and cfg.selective is None:
+        raise ConfigError(
+            "activation_checkpointing.offload.selective: cpu needs selective checkpointing, which decides what "
+            "is saved. Add selective: true (save attention), or remove offload.selective."
+        )
+    if cfg.selective is not None and cfg.reentrant:
+        raise ConfigError(
+            "activation_checkpointing.selective: selective checkpointing requires non-reentrant checkpointing, "
+            "but reentrant is true. Set reentrant: false (or leave it out), or remove selective."
+        )
+    if cfg.implementation == "fsdp" and cfg.reentrant:
+        raise ConfigError(
+            "activation_checkpointing.reentrant: implementation: fsdp uses FSDP2's checkpoint wrapper, which is "
+            "non-reentrant, but reentrant is true. Set reentrant: false, or use implementation: hf."
+        )
+
+
+def parse_config(value: Any) -> ActivationCheckpointingConfig:
+    """Validate and normalise an ``activation_checkpointing`` block.
+
+    Args:
+        value: ``True`` (recompute with defaults), ``False``/``None`` (everything off), a mapping or
+            ``DictConfig`` with the block's fields (``enabled`` defaults to true), or an
+            :class:`ActivationCheckpointingConfig`.
+
+    Returns:
+        A normalised :class:`ActivationCheckpointingConfig`.
+
+    Raises:
+        ConfigError: If any field or combination of fields is invalid. The message names the field, the
+            value and the fix.
+    """
+    value = _plain(value)
+    if value is None or value is False:
+        return ActivationCheckpointingConfig(enabled=False)
+    if value is True:
+        return ActivationCheckpointingConfig()
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"activation_checkpointing: expected true, false or a mapping, got {value!r}. "
+            "Write activation_checkpointing: true, or a mapping such as {selective: true}."
+        )
+    _reject_unknown(value, _FIELDS, "activation_checkpointing")
+    implementation = value.get("implementation", "hf")
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(
+            f"activation_checkpointing.implementation: expected one of {', '.join(IMPLEMENTATIONS)}, "
+            f"got {implementation!r}. Use hf (transformers' checkpointing) or fsdp (FSDP2's checkpoint wrapper)."
+        )
+    cfg = ActivationCheckpointingConfig(
+        enabled=bool(_parse_bool(value.get("enabled", True), "activation_checkpointing.enabled")),
+        implementation=implementation,
+        reentrant=_parse_bool(value.get("reentrant"), "activation_checkpointing.reentrant", allow_none=True),
+        kwargs=_parse_kwargs(value.get("kwargs")),
+        selective=_parse_selective(value.get("selective")),
+        offload=_parse_offload(value.get("offload")),
+    )
+    _check_combination(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: ActivationCheckpointingConfig) -> Dict[str, Any]:
+    """The normalised block as plain data (strings, lists, dicts), e.g. for ``summary.json`` or YAML."""
+    data = dataclasses.asdict(cfg)
+    data["offload"] = {k: str(v) for k, v in data["offload"].items()}
+    return data

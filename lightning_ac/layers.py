@@ -1,0 +1,111 @@
+"""Finding the decoder layers a plan acts on.
+
+Hugging Face models (plain or wrapped by PEFT) are found automatically: their decoder layers are the
+``GradientCheckpointingLayer`` instances inside the outermost ``PreTrainedModel``\\ s. Plain torch models name
+their layers through ``layers=``: layer classes, or globs over module names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Type, Union
+
+from torch import nn
+
+__all__ = ["DecoderLayers", "LayerSpec", "find_decoder_layers"]
+
+LayerSpec = Union[str, Type[nn.Module]]
+
+
+@dataclass
+class DecoderLayers:
+    """The decoder layers of one module tree.
+
+    Attributes:
+        layers: ``(qualified name, module)`` pairs in execution order.
+        hf_models: The outermost transformers ``PreTrainedModel`` instances that own ``layers`` (empty for
+            plain torch layers selected with ``layers=``).
+        layer_types: Per-layer attention type (``full_attention``, ``sliding_attention``...) where the model
+            publishes one, else ``None`` entries.
+    """
+
+    layers: List[Tuple[str, nn.Module]]
+    hf_models: List[nn.Module] = field(default_factory=list)
+    layer_types: List[Optional[str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def _hf_classes():
+    try:
+        from transformers import PreTrainedModel
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None, None
+    return PreTrainedModel, GradientCheckpointingLayer
+
+
+def _layer_types(model: nn.Module, count: int) -> List[Optional[str]]:
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text_config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == count:
+        return list(types)
+    return [None] * count
+
+
+def _matches(name: str, module: nn.Module, specs: Sequence[LayerSpec]) -> bool:
+    for spec in specs:
+        if isinstance(spec, type):
+            if isinstance(module, spec):
+                return True
+        elif fnmatch.fnmatchcase(name, spec):
+            return True
+    return False
+
+
+def find_decoder_layers(root: nn.Module, layers: Optional[Sequence[LayerSpec]] = None) -> DecoderLayers:
+    """Find the decoder layers under ``root``.
+
+    Args:
+        root: The module to search (a LightningModule, a transformers model, a PEFT model...).
+        layers: ``None`` to find transformers decoder layers automatically, or layer classes / globs over
+            qualified module names (``"blocks.*"``) selecting the layers of a plain torch model. When both an
+            outer and an inner module match, only the outer one is a layer.
+
+    Returns:
+        The layers found, possibly none.
+    """
+    PreTrainedModel, GradientCheckpointingLayer = _hf_classes()
+    if layers is not None:
+        found: List[Tuple[str, nn.Module]] = []
+        for name, module in root.named_modules():
+            if module is root or any(name.startswith(outer + ".") for outer, _ in found):
+                continue
+            if _matches(name, module, layers):
+                found.append((name, module))
+        return DecoderLayers(found, [], [None] * len(found))
+
+    if PreTrainedModel is None:
+        return DecoderLayers([])
+    models: List[Tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if isinstance(module, PreTrainedModel) and not any(
+            name == outer or name.startswith(outer + ".") or outer == "" for outer, _ in models
+        ):
+            models.append((name, module))
+    found, owners, types = [], [], []
+    for prefix, model in models:
+        model_layers = [
+            (f"{prefix}.{n}" if prefix and n else prefix or n, m)
+            for n, m in model.named_modules()
+            if isinstance(m, GradientCheckpointingLayer)
+        ]
+        if not model_layers:
+            continue
+        owners.append(model)
+        found.extend(model_layers)
+        types.extend(_layer_types(model, len(model_layers)))
+    return DecoderLayers(found, owners, types)

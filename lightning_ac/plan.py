@@ -1,0 +1,181 @@
+"""One validated plan for all suite callbacks on a module: gathered once, applied once, removed once.
+
+Whichever suite callback reaches ``setup`` first gathers every suite callback in ``trainer.callbacks``,
+validates the combination through :func:`parse_config` (the same rules as YAML), and applies one plan. The
+others find it applied. Removal happens once, in ``teardown`` or ``on_exception``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+from torch import nn
+
+from lightning_ac._logging import rank_zero_log
+from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
+from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
+from lightning_ac.checkpoint.torch_layers import TORCH_ATTRIBUTES
+from lightning_ac.config import ActivationCheckpointingConfig, ConfigError, parse_config
+from lightning_ac.journal import ModuleJournal
+from lightning_ac.layers import DecoderLayers, find_decoder_layers
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_ac.callbacks import SuiteCallback
+
+__all__ = ["Plan"]
+
+_FSDP_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+
+
+@dataclass
+class Plan:
+    """What the suite callbacks of one Trainer do to one module, and how to undo it.
+
+    Attributes:
+        callbacks: The suite callbacks that share this plan.
+        config: The combined, validated block.
+        layers: The decoder layers found (after :meth:`apply`).
+        checkpointed: For each layer, whether it is recomputed in backward.
+    """
+
+    callbacks: List["SuiteCallback"]
+    config: ActivationCheckpointingConfig
+    module: Optional[nn.Module] = None
+    layers: Optional[DecoderLayers] = None
+    checkpointed: List[bool] = field(default_factory=list)
+    _journal: Optional[ModuleJournal] = None
+    _deferred: bool = False
+
+    @classmethod
+    def gather(cls, trainer: "pl.Trainer") -> "Plan":
+        """Collect the suite callbacks of ``trainer`` and validate their combination."""
+        from lightning_ac.callbacks import ActivationCheckpointing, SuiteCallback
+
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
+        seen: Dict[type, Any] = {}
+        for cb in callbacks:
+            if type(cb) in seen:
+                raise ConfigError(
+                    f"Trainer(callbacks=...) holds more than one {type(cb).__name__}. Each suite callback may "
+                    "appear once: merge their arguments into one instance."
+                )
+            seen[type(cb)] = cb
+        block: Dict[str, Any] = {}
+        checkpointing = next((cb for cb in callbacks if isinstance(cb, ActivationCheckpointing)), None)
+        if checkpointing is None:
+            block["enabled"] = False
+        else:
+            block.update(checkpointing.block())
+        for cb in callbacks:
+            if not isinstance(cb, ActivationCheckpointing):
+                block.update(cb.block())
+        return cls(callbacks, parse_config(block))
+
+    @property
+    def applied(self) -> bool:
+        return self._journal is not None
+
+    def check_strategy(self, trainer: "pl.Trainer") -> None:
+        """Strategy rules that the block alone cannot check."""
+        strategy = type(trainer.strategy).__name__
+        if self.config.enabled and self.config.implementation == "fsdp":
+            if strategy not in _FSDP_STRATEGIES:
+                raise ConfigError(
+                    f"activation_checkpointing.implementation: fsdp needs an FSDP strategy, but the Trainer uses "
+                    f"{strategy}. Use implementation: hf, or train with strategy='fsdp' / ModelParallelStrategy."
+                )
+            raise ConfigError(
+                "activation_checkpointing.implementation: fsdp (FSDP2's checkpoint wrapper) is not available in "
+                "this version of lightning_ac yet. Use implementation: hf, which works under FSDP too."
+            )
+
+    def apply(self, trainer: "pl.Trainer", module: nn.Module) -> None:
+        """Apply the plan to ``module``; defers to just after ``configure_model`` if the layers do not exist yet."""
+        if self.applied or self._deferred:
+            return
+        self.check_strategy(trainer)
+        self.module = module
+        if not self.config.enabled:
+            return
+        layers = self._find_layers(module)
+        if len(layers):
+            self._apply_to(layers)
+            return
+        if _overrides_configure_model(module):
+            self._defer_until_configured(module)
+            return
+        raise self._no_layers_error(module)
+
+    def _find_layers(self, module: nn.Module) -> DecoderLayers:
+        from lightning_ac.callbacks import ActivationCheckpointing
+
+        checkpointing = next(cb for cb in self.callbacks if isinstance(cb, ActivationCheckpointing))
+        return find_decoder_layers(module, checkpointing.layers)
+
+    def _no_layers_error(self, module: nn.Module) -> ConfigError:
+        return ConfigError(
+            f"ActivationCheckpointing found no decoder layers in {type(module).__name__}: it finds transformers "
+            "models (plain or PEFT-wrapped) on its own. For other models pass layers=[<layer class>] or "
+            "layers=['<module name glob>'], e.g. layers=['model.blocks.*']."
+        )
+
+    def _defer_until_configured(self, module: nn.Module) -> None:
+        original = module.configure_model
+        plan = self
+
+        def configure_model_then_apply() -> None:
+            module.__dict__.pop("configure_model", None)
+            plan._deferred = False
+            original()
+            layers = plan._find_layers(module)
+            if not len(layers):
+                raise plan._no_layers_error(module)
+            plan._apply_to(layers)
+
+        module.configure_model = configure_model_then_apply  # type: ignore[method-assign]
+        self._deferred = True
+
+    def _apply_to(self, layers: DecoderLayers) -> None:
+        assert self.module is not None
+        cfg = self.config
+        self.layers = layers
+        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES)
+        try:
+            modules = [m for _, m in layers.layers]
+            if layers.hf_models:
+                engine = "hf"
+                self.checkpointed = enable_hf_checkpointing(layers.hf_models, modules, cfg)
+            else:
+                engine = "torch"
+                self.checkpointed = wrap_layers(modules, cfg)
+        except BaseException:
+            self.remove()
+            raise
+        mode = "reentrant" if cfg.use_reentrant else "non-reentrant"
+        every = f", every {cfg.every_n_layers} layers" if cfg.every_n_layers > 1 else ""
+        rank_zero_log(
+            f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers "
+            f"({engine}, {mode}{every})"
+        )
+
+    def remove(self) -> None:
+        """Undo everything :meth:`apply` installed. Safe to call more than once."""
+        if self.module is not None and self._deferred:
+            self.module.__dict__.pop("configure_model", None)
+            self._deferred = False
+        if self._journal is not None:
+            self._journal.restore()
+            self._journal = None
+        self.checkpointed = []
+
+
+def _overrides_configure_model(module: nn.Module) -> bool:
+    try:
+        from lightning.pytorch import LightningModule
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, LightningModule) and is_overridden("configure_model", module)
