@@ -1,0 +1,114 @@
+"""The main job's parts: a small transformers causal LM with LoRA, byte-level text data, the LightningModule."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger("train")
+
+# Standard-library modules whose docstrings make the corpus: real English prose shipped with every Python.
+CORPUS_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
+    "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io",
+    "itertools", "json", "logging", "os", "pathlib", "pickle", "random", "re", "shutil", "socket",
+    "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest",
+    "urllib.parse", "uuid", "warnings", "zipfile",
+)
+
+
+def corpus_text() -> str:
+    """Docstrings of standard-library modules and their public members, in a fixed order."""
+    parts: List[str] = []
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        for obj in [module, *(getattr(module, n) for n in sorted(dir(module)) if not n.startswith("_"))]:
+            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj)) else None
+            if doc and len(doc) > 80 and doc not in parts:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+class ByteChunks(Dataset):
+    """Non-overlapping windows of ``seq_len`` bytes of the corpus; token id = byte value."""
+
+    def __init__(self, text: str, seq_len: int, vocab_size: int) -> None:
+        data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+        if vocab_size < 256:
+            raise ValueError(f"model.config.vocab_size must be >= 256 for byte tokens, got {vocab_size}")
+        n = data.numel() // seq_len
+        self.chunks = data[: n * seq_len].view(n, seq_len)
+
+    def __len__(self) -> int:
+        return self.chunks.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.chunks[index]
+
+
+def make_dataloader(data_cfg: DictConfig, vocab_size: int, seed: int) -> DataLoader:
+    dataset = ByteChunks(corpus_text(), data_cfg.seq_len, vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=data_cfg.batch_size, shuffle=True, generator=generator, drop_last=True)
+
+
+def build_model(model_cfg: DictConfig, lora_cfg: DictConfig) -> torch.nn.Module:
+    """A transformers causal LM from a config (random init), wrapped with a PEFT LoRA adapter when enabled."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_kwargs: Dict[str, Any] = OmegaConf.to_container(model_cfg.config, resolve=True)  # type: ignore[assignment]
+    config = AutoConfig.for_model(model_cfg.family, **config_kwargs)
+    config._attn_implementation = model_cfg.attn_implementation
+    model = AutoModelForCausalLM.from_config(config)
+    if lora_cfg.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora_cfg.r,
+                lora_alpha=lora_cfg.alpha,
+                lora_dropout=lora_cfg.dropout,
+                target_modules=list(lora_cfg.target_modules),
+            ),
+        )
+    return model
+
+
+class CausalLM(pl.LightningModule):
+    """Next-token prediction with AdamW on the trainable parameters."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        self.model = model
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+class LossPrinter(Callback):
+    """Log the training loss every ``every`` steps, so a plain log shows it going down."""
+
+    def __init__(self, every: int = 10) -> None:
+        self.every = every
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == 1 or step % self.every == 0 or step == trainer.max_steps:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            log.info("step %4d  loss %.4f", step, float(loss))

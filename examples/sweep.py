@@ -1,0 +1,52 @@
+"""The multirun summary: one row per job, from each job's summary.json, as CSV and a plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+COLUMNS = ("job", "mode", "model", "steps", "final_loss", "peak_activation_bytes", "peak_memory_bytes", "step_time_s")
+
+
+def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
+    rows = []
+    for path in sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        summary = json.loads(path.read_text())
+        rows.append({"job": path.parent.name, **{k: summary.get(k) for k in COLUMNS[1:]}})
+    return rows
+
+
+def write_sweep_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """Rewrite ``sweep_summary.csv`` and ``sweep_summary.png`` from the jobs finished so far."""
+    rows = collect(sweep_dir)
+    with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, sweep_dir / "sweep_summary.png")
+    return rows
+
+
+def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['job']}: {r['mode']}" for r in rows]
+    memory = [(r["peak_activation_bytes"] or 0) / 2**20 for r in rows]
+    times = [(r["step_time_s"] or 0) * 1000 for r in rows]
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 0.6 * len(rows) + 2))
+    ax_mem.barh(labels, memory, color="tab:blue")
+    ax_mem.set_xlabel("activation peak (MiB)")
+    ax_time.barh(labels, times, color="tab:orange")
+    ax_time.set_xlabel("median step time (ms)")
+    ax_time.set_yticklabels([])
+    for ax in (ax_mem, ax_time):
+        ax.invert_yaxis()
+    fig.suptitle("lightning_ac sweep: memory and step time per mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,128 @@
+"""The main job: train a small real Hugging Face causal LM with a LoRA adapter, configured by Hydra.
+
+    python examples/train.py                                        # no checkpointing, CPU
+    python examples/train.py activation_checkpointing=full          # recompute every decoder layer
+    python examples/train.py activation_checkpointing=full activation_checkpointing/selective=attention
+    python examples/train.py -m activation_checkpointing=off,full,every_2   # sweep, writes sweep_summary.*
+
+The model is built from a config (random init, no download) and trained on English prose that ships with
+Python: the docstrings of standard-library modules, as bytes. Each run writes ``summary.json`` to its
+output directory; a multirun also writes ``sweep_summary.csv`` and ``sweep_summary.png`` to the sweep dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_ac import ActivationCheckpointingConfig, ConfigError, callbacks_from_config, migrate_legacy  # noqa: E402
+from lightning_ac.config import config_to_dict, parse_config  # noqa: E402
+from lightning_ac.legacy import LEGACY_KEYS  # noqa: E402
+from lightning_ac.memory import StepMetrics  # noqa: E402
+from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
+from sweep import write_sweep_summary  # noqa: E402
+
+log = logging.getLogger("train")
+
+# Every activation_checkpointing option extends this schema, so any field can be overridden on any option
+# and unknown fields fail at composition.
+ConfigStore.instance().store(group="activation_checkpointing", name="schema", node=ActivationCheckpointingConfig)
+
+
+def _user_set_block() -> bool:
+    """Whether the command line chose or overrode the activation_checkpointing block."""
+    overrides = HydraConfig.get().overrides.task
+    return any(o.lstrip("+~").startswith("activation_checkpointing") for o in overrides)
+
+
+def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
+    """The job config as plain data with legacy keys migrated into the block."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    legacy = [k for k in LEGACY_KEYS[:-1] if k in data] or (
+        ["fsdp_config"] if "activation_checkpointing" in (data.get("fsdp_config") or {}) else []
+    )
+    if legacy and not _user_set_block():
+        data.pop("activation_checkpointing", None)  # the default option, not a choice of the user's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = migrate_legacy(data)
+    for w in caught:
+        log.warning("%s", w.message)
+    return data
+
+
+def run(cfg: DictConfig) -> Dict[str, Any]:
+    data = resolve_block(cfg)
+    block = parse_config(data.get("activation_checkpointing"))
+    callbacks = callbacks_from_config(block, layer_offloading=data.get("layer_offloading", False))
+
+    pl.seed_everything(cfg.seed, workers=True)
+    model = build_model(cfg.model, cfg.lora)
+    module = CausalLM(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    loader = make_dataloader(cfg.data, vocab_size=cfg.model.config.vocab_size, seed=cfg.seed)
+    metrics = StepMetrics(measure_step=cfg.measure.memory_step, warmup_steps=cfg.measure.warmup_steps)
+    trainer = pl.Trainer(
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        callbacks=[*callbacks, metrics, LossPrinter(every=cfg.print_every)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+
+    peak = metrics.peak
+    summary = {
+        "mode": HydraConfig.get().runtime.choices.get("activation_checkpointing"),
+        "model": HydraConfig.get().runtime.choices.get("model"),
+        "activation_checkpointing": config_to_dict(block),
+        "layer_offloading": bool(data.get("layer_offloading", False)),
+        "steps": trainer.global_step,
+        "first_loss": metrics.losses[0] if metrics.losses else None,
+        "final_loss": metrics.losses[-1] if metrics.losses else None,
+        "peak_memory_bytes": peak.peak_bytes if peak else None,
+        "peak_activation_bytes": peak.activation_bytes if peak else None,
+        "memory_source": peak.source if peak else None,
+        "step_time_s": metrics.median_step_time,
+    }
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info(
+        "done: %d steps, loss %.3f -> %.3f, activation peak %.1f MiB, median step %.3f s",
+        summary["steps"],
+        summary["first_loss"] or float("nan"),
+        summary["final_loss"] or float("nan"),
+        (summary["peak_activation_bytes"] or 0) / 2**20,
+        summary["step_time_s"] or float("nan"),
+    )
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        write_sweep_summary(Path(HydraConfig.get().sweep.dir))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as err:
+        # A bad value is the user's to fix: say what and how, without a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Peak memory and step time of training steps, measured the same way for the main job and the benchmark.
+
+On CUDA the allocator's statistics give the device peak. CPU has no allocator statistics, so one step is
+run under torch's ``MemTracker``, which attributes every allocation to a category (parameter, gradient,
+optimizer state, activation, temporary); the activation peak is the sum of the activation and temporary
+peaks. MemTracker slows the step it watches, so that step is left out of the step times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+__all__ = ["MemoryPeak", "StepMetrics", "measure_step"]
+
+
+@dataclass
+class MemoryPeak:
+    """The memory peak of one training step.
+
+    Attributes:
+        peak_bytes: The device allocator's peak (CUDA), or on CPU the activation peak (there is no device
+            allocator to read; parameters and optimizer state are not part of what the modes change).
+        activation_bytes: The peak of what the step itself allocates beyond parameters, gradients and
+            optimizer state.
+        source: ``"cuda_allocator"`` or ``"mem_tracker"``.
+    """
+
+    peak_bytes: int
+    activation_bytes: int
+    source: str
+
+
+class _StepMeasurement:
+    """Context around one step: CUDA allocator stats when the module is on CUDA, else MemTracker."""
+
+    def __init__(self, modules: List[torch.nn.Module], optimizers: List[torch.optim.Optimizer], device: torch.device):
+        self.device = device
+        self.modules, self.optimizers = modules, optimizers
+        self._tracker: Any = None
+        self._baseline = 0
+        self.result: Optional[MemoryPeak] = None
+
+    def __enter__(self) -> "_StepMeasurement":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = _tracker_class()()
+            self._tracker.track_external(*self.modules, *self.optimizers)
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.result = MemoryPeak(peak, max(0, peak - self._baseline), "cuda_allocator")
+            return
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        peaks: Dict[Any, int] = {}
+        for stats in tracker.get_tracker_snapshot("peak").values():
+            for category, value in stats.items():
+                name = getattr(category, "value", category)
+                peaks[name] = peaks.get(name, 0) + int(value)
+        activation = peaks.get("Activation", 0) + peaks.get("Temp", 0)
+        self.result = MemoryPeak(activation, activation, "mem_tracker")
+
+
+def _tracker_class() -> type:
+    """torch's MemTracker, adapted to a Lightning training step.
+
+    - MemTracker registers a gradient hook on every parameter, which raises for parameters that do not
+      require grad (a LoRA model's frozen base): hooks go on trainable parameters only.
+    - It tags everything allocated inside ``optimizer.step`` as optimizer state, but Lightning runs the
+      forward and backward inside ``optimizer.step(closure)``: only the optimizer's state tensors are tagged
+      (after the step), so activations stay activations.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _register_global_optimizer_hook(self) -> None:
+            def track_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                self._track_optimizer_states(_MemRefType.OPT, optimizer)
+
+            handle = register_optimizer_step_post_hook(track_states)
+            self._optimizer_hook_handles = (handle, handle)
+
+        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[override]
+            memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if not install_grad_hooks:
+                return memory
+            for param in module.parameters():
+                if not param.requires_grad or self._param_to_grad_hook_handles.get(param) is not None:
+                    continue
+
+                def track_grad(grad: torch.Tensor) -> None:
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(track_grad),
+                    param.register_post_accumulate_grad_hook(lambda p: track_grad(p.grad)),
+                )
+            return memory
+
+    return FrozenAwareMemTracker
+
+
+def measure_step(modules: List[torch.nn.Module], optimizers: List[torch.optim.Optimizer], device: torch.device) -> _StepMeasurement:
+    """A context manager measuring the memory peak of what runs inside it (``.result`` after exit)."""
+    return _StepMeasurement(modules, optimizers, device)
+
+
+@dataclass
+class StepMetrics(Callback):
+    """Record training step times and measure the memory peak of one step.
+
+    Args:
+        measure_step: The training step (0-based) whose memory is measured; earlier steps warm up.
+        warmup_steps: Steps left out of the step-time median.
+
+    Attributes:
+        step_times: Wall time of each timed step (seconds).
+        losses: The training loss of each step.
+        peak: The measured :class:`MemoryPeak`, once the measured step ran.
+    """
+
+    measure_step: int = 1
+    warmup_steps: int = 2
+    step_times: List[float] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
+    peak: Optional[MemoryPeak] = None
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self._start = 0.0
+        self._measurement: Optional[_StepMeasurement] = None
+
+    @property
+    def median_step_time(self) -> Optional[float]:
+        """Median wall time of the timed steps, ``None`` before any."""
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.measure_step and self.peak is None:
+            self._measurement = measure_step([pl_module], list(trainer.optimizers), pl_module.device)
+            self._measurement.__enter__()
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._start
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss.detach()))
+        if self._measurement is not None:
+            self._measurement.__exit__(None, None, None)
+            self.peak, self._measurement = self._measurement.result, None
+        elif trainer.global_step > self.warmup_steps:
+            self.step_times.append(elapsed)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self._measurement is not None:
+            self._measurement.__exit__(type(exception), exception, None)
+            self._measurement = None

@@ -1,0 +1,48 @@
+"""Sessions: tests (default), lint, train, slow, gpu, bench. `nox -l` lists them."""
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+# The test environment pins the CPU wheel of torch, which lies on the CI machines' disk; users keep their own.
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, extra: str = "tests") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extra}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default test run (CPU, under 15 minutes): everything not marked slow or gpu."""
+    _install(session)
+    session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
+
+
+@nox.session(default=False)
+def slow(session: nox.Session) -> None:
+    """Longer integration tests (CPU)."""
+    _install(session)
+    session.run("pytest", "-m", "slow and not gpu", *session.posargs)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """Tests that need CUDA. Installs the torch already present when run with --no-venv on a GPU machine."""
+    session.install("-e", ".[tests]")
+    session.run("pytest", "-m", "gpu", *session.posargs)
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "lightning_ac", "examples", "tests", "noxfile.py")
+
+
+@nox.session(default=False)
+def train(session: nox.Session) -> None:
+    """The main job with the default example (CPU). Extra arguments are Hydra overrides."""
+    _install(session, "examples")
+    session.run("python", "examples/train.py", *session.posargs)
