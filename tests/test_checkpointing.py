@@ -1,0 +1,339 @@
+"""ActivationCheckpointing in a real Trainer: gradient parity, counted recompute, and a model left as found."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from lightning_ac import ActivationCheckpointing, ConfigError, callbacks_from_config
+
+MM = "aten.mm"
+ADDMM = "aten.addmm"
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def assert_same_training(reference: LM, run: LM, exact: bool = True) -> None:
+    assert reference.losses == run.losses if exact else torch.allclose(torch.tensor(reference.losses), torch.tensor(run.losses))
+    assert reference.grads.keys() == run.grads.keys() and reference.grads
+    for name, grad in reference.grads.items():
+        if exact:
+            assert torch.equal(grad, run.grads[name]), name
+        else:
+            torch.testing.assert_close(run.grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "family, lora, callback_kwargs, mm_replays",
+    [
+        # Tiny Llama: 58 mm in backward without recompute; full recompute replays q, k, v, o, gate, up per
+        # layer (6 x 4 = 24); down_proj is never replayed (early stop: its output only feeds the residual add).
+        ("llama", False, {}, 24),
+        ("llama", False, {"kwargs": {"every_n_layers": 2}}, 12),
+        ("llama", False, {"kwargs": {"preserve_rng_state": False}}, 24),
+        ("llama", False, {"kwargs": {"early_stop": False}}, 28),
+        # Reentrant recompute runs the whole layer again, down_proj included.
+        ("llama", False, {"reentrant": True}, 28),
+        # LoRA: each adapted projection adds lora_A and lora_B matmuls to the replay.
+        ("llama", True, {}, None),
+        ("llama", True, {"reentrant": True}, None),
+        ("qwen3", False, {}, 24),
+        # Gemma3 normalises down_proj's output (post_feedforward_layernorm), so down_proj is replayed too.
+        ("gemma3_text", False, {}, 28),
+    ],
+)
+def test_gradients_match_and_recompute_is_counted(family, lora, callback_kwargs, mm_replays):
+    base = tiny_model(family, lora=lora)
+    reference = fit(clone(base))
+    run = fit(clone(base), [ActivationCheckpointing(**callback_kwargs)])
+    assert_same_training(reference, run)
+    replays = run.backward_ops[MM] - reference.backward_ops[MM]
+    if mm_replays is not None:
+        assert replays == mm_replays
+    else:
+        assert replays > 0
+    layers = 4 // callback_kwargs.get("kwargs", {}).get("every_n_layers", 1)
+    assert run.backward_ops[SDPA] - reference.backward_ops.get(SDPA, 0) == layers, "attention replays once per layer"
+    assert reference.backward_ops.get(SDPA, 0) == 0
+
+
+def test_reference_counts_match_design_notes():
+    reference = fit(tiny_model("llama"))
+    assert reference.backward_ops[MM] == 58
+
+
+def test_frozen_base_lora_reentrant_keeps_adapter_gradients():
+    base = tiny_model("llama", lora=True)
+    run = fit(clone(base), [ActivationCheckpointing(reentrant=True)])
+    lora_grads = {n: g for n, g in run.grads.items() if "lora_" in n}
+    assert len(lora_grads) == 4 * 7 * 2
+    # lora_B starts at zero, so lora_A's first gradient is zero by construction; lora_B's must not be.
+    assert all(g.abs().sum() > 0 for n, g in lora_grads.items() if "lora_B" in n)
+
+
+def test_dropout_masks_replay_exactly():
+    base = tiny_model("llama", lora=True, attention_dropout=0.3, lora_dropout=0.2)
+    base.peft_config["default"].lora_dropout = 0.2
+    for module in base.modules():
+        if hasattr(module, "lora_dropout"):
+            for key in module.lora_dropout:
+                module.lora_dropout[key] = nn.Dropout(0.2)
+    pl.seed_everything(7)
+    reference = fit(clone(base))
+    pl.seed_everything(7)
+    run = fit(clone(base), [ActivationCheckpointing()])
+    assert_same_training(reference, run)
+    pl.seed_everything(8)
+    other_seed = fit(clone(base), [ActivationCheckpointing()])
+    assert other_seed.losses != reference.losses, "dropout must be active for this test to mean anything"
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(0.1)
+        self.calls_with_cache = 0
+
+    def forward(self, x: torch.Tensor, *, use_cache: bool = False) -> torch.Tensor:
+        self.calls_with_cache += int(use_cache)
+        return x + self.drop(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+class TinyTorchLM(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, use_cache=True)
+        logits = self.head(x)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+@pytest.mark.parametrize("layers", [[Block], ["model.blocks.*"]])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_plain_torch_layers(layers, reentrant):
+    torch.manual_seed(0)
+    base = TinyTorchLM()
+    pl.seed_everything(3)
+    reference = fit(clone(base))
+    before = model_fingerprint(reference)
+    pl.seed_everything(3)
+    model = clone(base)
+    module = LM(model)
+    fingerprint = model_fingerprint(module)
+    make_trainer([ActivationCheckpointing(layers=layers, reentrant=reentrant)]).fit(module, batches())
+    assert_same_training(reference, module)
+    assert module.backward_ops[ADDMM] == reference.backward_ops[ADDMM] + 3 * 2, "up and down replayed per block"
+    assert all(b.calls_with_cache == 0 for b in model.blocks), "use_cache is forced off in checkpointed layers"
+    assert model_fingerprint(module) == fingerprint
+    assert before.keys() == fingerprint.keys()
+
+
+def test_frozen_plain_torch_reentrant_keeps_trainable_gradients():
+    torch.manual_seed(0)
+    base = TinyTorchLM()
+    base.embed.requires_grad_(False)
+    for block in base.blocks:
+        block.norm.requires_grad_(False)
+        block.down.requires_grad_(False)
+    pl.seed_everything(3)
+    reference = fit(clone(base))
+    pl.seed_everything(3)
+    run = fit(clone(base), [ActivationCheckpointing(layers=[Block], reentrant=True)])
+    assert_same_training(reference, run)
+    assert all(f"model.blocks.{i}.up.weight" in run.grads for i in range(3))
+
+
+def test_model_left_as_found_after_fit_validate_and_second_fit(llama):
+    module = LM(llama)
+    fingerprint = model_fingerprint(module)
+    callback = ActivationCheckpointing()
+    trainer = make_trainer([callback], max_steps=1)
+    trainer.fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+    assert callback.plan is None
+    # validate and a second fit with the same callback object
+    module.validation_step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss
+    trainer.validate(module, batches(), verbose=False)
+    assert model_fingerprint(module) == fingerprint
+    trainer2 = make_trainer([callback], max_steps=2)
+    module.backward_ops = module.grads = None
+    trainer2.fit(module, batches())
+    assert module.backward_ops[MM] == 58 + 24, "second fit checkpoints again"
+    assert model_fingerprint(module) == fingerprint
+
+
+def test_hf_flags_and_hooks_exist_only_during_fit(llama):
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            layers = pl_module.model.model.layers
+            seen["flags"] = [layer.gradient_checkpointing for layer in layers]
+            seen["hooks"] = len(pl_module.model.model.embed_tokens._forward_hooks)
+
+    module = LM(llama)
+    fingerprint = model_fingerprint(module)
+    make_trainer([Probe(), ActivationCheckpointing(kwargs={"every_n_layers": 2})]).fit(module, batches())
+    assert seen["flags"] == [True, False, True, False]
+    assert seen["hooks"] == 1  # transformers' enable_input_require_grads
+    assert model_fingerprint(module) == fingerprint
+    assert not any(getattr(layer, "gradient_checkpointing") for layer in llama.model.layers)
+
+
+class Boom(pl.Callback):
+    def on_train_batch_end(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("layers", [None, ["model.model.layers.*"]])
+def test_removed_after_exception(llama, layers):
+    module = LM(llama)
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([ActivationCheckpointing(layers=layers), Boom()]).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+def test_state_dict_keys_unchanged_during_fit(llama):
+    keys = {}
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            keys["during"] = list(pl_module.state_dict().keys())
+
+    module = LM(llama)
+    before = list(module.state_dict().keys())
+    make_trainer([ActivationCheckpointing(layers=["model.model.layers.*"]), Probe()]).fit(module, batches())
+    assert keys["during"] == before
+
+
+def test_save_and_resume_lightning_checkpoint(tmp_path, llama):
+    module = LM(clone(llama))
+    trainer = make_trainer([ActivationCheckpointing()], max_steps=2, default_root_dir=tmp_path, enable_checkpointing=True)
+    trainer.fit(module, batches())
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=False)
+    assert set(state["state_dict"]) == set(LM(clone(llama)).state_dict())
+    assert state["callbacks"]["ActivationCheckpointing"]["activation_checkpointing"]["enabled"] is True
+
+    resumed = LM(clone(llama))
+    trainer = make_trainer([ActivationCheckpointing()], max_steps=4, default_root_dir=tmp_path)
+    trainer.fit(resumed, batches(), ckpt_path=ckpt)
+    assert trainer.global_step == 4
+    # Resuming with checkpointing continues exactly as resuming the same checkpoint without it.
+    plain = LM(clone(llama))
+    make_trainer([], max_steps=4, default_root_dir=tmp_path).fit(plain, batches(), ckpt_path=ckpt)
+    for (name, a), b in zip(plain.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_order_independent_and_applied_once(llama):
+    from lightning_ac.callbacks import SuiteCallback
+
+    class Counting(pl.Callback):
+        pass
+
+    module = LM(llama)
+    callback = ActivationCheckpointing()
+    make_trainer([Counting(), callback]).fit(module, batches())
+    assert module.backward_ops[MM] == 82
+    # Lightning's own state_key check or ours, whichever runs first.
+    with pytest.raises((ConfigError, RuntimeError), match="more than one.*ActivationCheckpointing"):
+        make_trainer([ActivationCheckpointing(), ActivationCheckpointing()]).fit(LM(tiny_model()), batches())
+    assert isinstance(callback, SuiteCallback)
+
+
+def test_one_log_line_says_what_was_applied(llama, caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_ac"):
+        fit(llama, [ActivationCheckpointing(kwargs={"every_n_layers": 2})])
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_ac"]
+    assert lines == ["lightning_ac: checkpointing 2/4 decoder layers (hf, non-reentrant, every 2 layers)"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_ac"):
+        fit(tiny_model(), [ActivationCheckpointing(reentrant=True)])
+    assert [r.getMessage() for r in caplog.records if r.name == "lightning_ac"] == [
+        "lightning_ac: checkpointing 4/4 decoder layers (hf, reentrant)"
+    ]
+
+
+class ConfiguredLM(LM):
+    """Builds its transformers model in configure_model, after Callback.setup."""
+
+    def __init__(self, factory) -> None:
+        super().__init__(nn.Identity())
+        self.factory = factory
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, nn.Identity):
+            self.model = self.factory()
+
+
+def test_layers_created_in_configure_model():
+    reference = fit(tiny_model())
+    module = ConfiguredLM(lambda: tiny_model())
+    make_trainer([ActivationCheckpointing()]).fit(module, batches())
+    assert_same_training(reference, module)
+    assert module.backward_ops[MM] == 82
+    assert "configure_model" not in module.__dict__
+    assert not any(getattr(layer, "gradient_checkpointing") for layer in module.model.model.layers)
+
+
+def test_no_layers_found_is_a_config_error():
+    module = LM(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match="found no decoder layers.*layers="):
+        make_trainer([ActivationCheckpointing()]).fit(module, batches())
+
+
+def test_fsdp_implementation_needs_an_fsdp_strategy(llama):
+    module = LM(llama)
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(ConfigError, match="fsdp needs an FSDP strategy.*SingleDeviceStrategy"):
+        make_trainer([ActivationCheckpointing(implementation="fsdp")]).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"implementation": "deepspeed"}, "implementation"),
+        ({"kwargs": {"use_cache": False}}, "use_cache"),
+        ({"layers": "model.layers.*"}, "layers"),
+        ({"layers": [3]}, "layers"),
+        ({"selective": True, "reentrant": True}, "non-reentrant"),
+        ({"selective": True}, "not available in this version"),
+    ],
+)
+def test_argument_checks_in_init(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ActivationCheckpointing(**kwargs)
+
+
+def test_callbacks_from_config():
+    assert callbacks_from_config(None) == []
+    assert callbacks_from_config(False) == []
+    assert callbacks_from_config({"enabled": False}) == []
+    (callback,) = callbacks_from_config({"reentrant": True, "kwargs": {"every_n_layers": 2}})
+    assert isinstance(callback, ActivationCheckpointing)
+    assert callback.config.use_reentrant and callback.config.every_n_layers == 2
+    for block in ({"offload": {"all": "cpu"}}, {"enabled": False, "offload": {"all": True}},
+                  {"offload": {"hidden_states": "cpu"}}):
+        with pytest.raises(ConfigError, match="not available in this version"):
+            callbacks_from_config(block)
+    with pytest.raises(ConfigError, match="layer_offloading"):
+        callbacks_from_config(True, layer_offloading=True)
+    with pytest.raises(ConfigError, match="layer_offloading"):
+        callbacks_from_config(True, layer_offloading="yes")
