@@ -159,6 +159,7 @@ def test_frozen_plain_torch_reentrant_keeps_trainable_gradients():
 
 def test_model_left_as_found_after_fit_validate_and_second_fit(llama):
     module = LM(llama)
+    module.validation_step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss
     fingerprint = model_fingerprint(module)
     callback = ActivationCheckpointing()
     trainer = make_trainer([callback], max_steps=1)
@@ -166,7 +167,6 @@ def test_model_left_as_found_after_fit_validate_and_second_fit(llama):
     assert model_fingerprint(module) == fingerprint
     assert callback.plan is None
     # validate and a second fit with the same callback object
-    module.validation_step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss
     trainer.validate(module, batches(), verbose=False)
     assert model_fingerprint(module) == fingerprint
     trainer2 = make_trainer([callback], max_steps=2)
