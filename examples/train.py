@@ -37,6 +37,8 @@ from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
 
 log = logging.getLogger("train")
+# peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 # Every activation_checkpointing option extends this schema, so any field can be overridden on any option
 # and unknown fields fail at composition.

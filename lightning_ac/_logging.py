@@ -1,4 +1,4 @@
-"""The ``lightning_ac`` logger, set up the way Lightning sets up its own, and rank-zero helpers."""
+"""The ``lightning_ac`` logger and rank-zero helpers."""
 
 from __future__ import annotations
 
@@ -7,12 +7,20 @@ import logging
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 log = logging.getLogger("lightning_ac")
-if not logging.getLogger().hasHandlers() and not log.handlers:
-    # Like lightning.pytorch: visible by default in a plain script, left to the application when it
-    # configures logging itself (Hydra does).
+
+
+class _WhenUnconfigured(logging.Filter):
+    # Visible by default in a plain script (like Lightning's own messages); once the application configures
+    # logging (Hydra does, after import), records go to its handlers only.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+
+if not log.handlers:
+    _handler = logging.StreamHandler()
+    _handler.addFilter(_WhenUnconfigured())
+    log.addHandler(_handler)
     log.setLevel(logging.INFO)
-    log.addHandler(logging.StreamHandler())
-    log.propagate = False
 
 
 @rank_zero_only

@@ -152,15 +152,7 @@ def llama():
 
 @pytest.fixture(autouse=True)
 def _capture_suite_log(caplog):
-    # The lightning_ac logger does not propagate when the application configured no logging (as Lightning's
-    # own logger); let caplog see it.
-    import logging
-
-    logger = logging.getLogger("lightning_ac")
-    propagate, logger.propagate = logger.propagate, True
     caplog.set_level("INFO", logger="lightning_ac")
-    yield
-    logger.propagate = propagate
 
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:

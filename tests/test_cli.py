@@ -1,0 +1,159 @@
+"""The Hydra main job, run as users run it: `python examples/train.py ...` in a subprocess."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny model and a few steps: these tests check wiring, not training quality.
+SMALL = [
+    "trainer.max_steps=4",
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "print_every=1",
+]
+
+
+def train(tmp_path: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+    dirs = [f"hydra.sweep.dir={tmp_path}/sweep"] if multirun else [f"hydra.run.dir={tmp_path}/run"]
+    cmd = [sys.executable, "examples/train.py", *(["-m"] if multirun else []), *SMALL, *dirs, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def summary(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_default_run_trains_and_writes_summary(tmp_path):
+    result = ok(train(tmp_path))
+    data = summary(tmp_path)
+    assert data["mode"] == "off" and data["model"] == "llama"
+    assert data["activation_checkpointing"]["enabled"] is False
+    assert data["layer_offloading"] is False
+    assert data["steps"] == 4
+    assert data["final_loss"] < data["first_loss"], "the loss goes down"
+    assert data["peak_memory_bytes"] > 0 and data["peak_activation_bytes"] > 0
+    assert data["step_time_s"] > 0
+    assert "loss" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, applied, checkpointed",
+    [
+        (["activation_checkpointing=full"], {"enabled": True}, "2/2"),
+        (["activation_checkpointing=every_2"], {"kwargs": {"every_n_layers": 2}}, "1/2"),
+        (["activation_checkpointing=full", "activation_checkpointing.reentrant=true"], {"reentrant": True}, "2/2"),
+        (["model=qwen3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
+        (["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
+    ],
+)
+def test_modes_apply(tmp_path, overrides, applied, checkpointed):
+    result = ok(train(tmp_path, *overrides))
+    block = summary(tmp_path)["activation_checkpointing"]
+    for key, value in applied.items():
+        assert block[key] == value
+    assert f"checkpointing {checkpointed} decoder layers" in result.stdout + result.stderr
+
+
+def test_full_matches_off_loss_and_saves_memory(tmp_path):
+    ok(train(tmp_path / "off"))
+    ok(train(tmp_path / "full", "activation_checkpointing=full"))
+    off, full = summary(tmp_path / "off"), summary(tmp_path / "full")
+    assert off["final_loss"] == full["final_loss"]
+    assert full["peak_activation_bytes"] < off["peak_activation_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["activation_checkpointing=selective_attn"], "selective activation checkpointing is not available"),
+        (["activation_checkpointing=full", "activation_checkpointing/selective=attention"], "selective"),
+        (["activation_checkpointing=offload_all"], "all: cpu is not available"),
+        (["activation_checkpointing=offload_only"], "all: cpu is not available"),
+        (["activation_checkpointing=offload_hidden"], "hidden_states: cpu is not available"),
+        (["activation_checkpointing=offload_hidden_selective"], "not available"),
+        (["activation_checkpointing=full", "activation_checkpointing/offload=hidden_states"], "hidden_states: cpu"),
+        (["activation_checkpointing=full", "layer_offloading=true"], "layer_offloading: true is not available"),
+    ],
+)
+def test_modes_not_yet_available_fail_clearly(tmp_path, overrides, fragment):
+    result = train(tmp_path, *overrides)
+    assert result.returncode == 2
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["activation_checkpointing.offload.all=disk"], ["offload.all", "disk", "pending a fix"]),
+        (["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"], ["every_n_layers", ">= 1"]),
+        (["activation_checkpointing=off", "activation_checkpointing.reentrant=true"], ["enabled is false", "reentrant"]),
+        (["activation_checkpointing=full", "+activation_checkpointing.kwargs.use_cache=false"], ["use_cache"]),
+        (["+gradient_checkpointing=offload_disk"], ["offload_disk", "pending a fix"]),
+        (["activation_checkpointing=full", "+gradient_checkpointing=true"], ["next to activation_checkpointing"]),
+    ],
+)
+def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
+    result = train(tmp_path, *overrides)
+    assert result.returncode == 2, result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "step    1" not in result.stdout + result.stderr
+
+
+def test_unknown_field_fails_at_composition(tmp_path):
+    result = train(tmp_path, "activation_checkpointing.typo=1")
+    assert result.returncode != 0
+    assert "typo" in result.stderr
+
+
+def test_override_any_field_on_any_option(tmp_path):
+    ok(train(tmp_path, "activation_checkpointing=every_2", "activation_checkpointing.kwargs.every_n_layers=1"))
+    assert summary(tmp_path)["activation_checkpointing"]["kwargs"] == {"every_n_layers": 1}
+
+
+def test_nested_groups_compose(tmp_path):
+    # The nested offload group merges into the chosen option (here into a mode whose offload is off).
+    result = train(tmp_path, "activation_checkpointing=offload_all", "activation_checkpointing/offload=none")
+    ok(result)
+    assert summary(tmp_path)["activation_checkpointing"]["offload"]["all"] == "none"
+
+
+def test_legacy_key_is_migrated_with_warning(tmp_path):
+    result = ok(train(tmp_path, "+gradient_checkpointing=true", "+gradient_checkpointing_kwargs.use_reentrant=true"))
+    output = result.stdout + result.stderr
+    assert "deprecated" in output and "activation_checkpointing:\n  reentrant: true" in output
+    block = summary(tmp_path)["activation_checkpointing"]
+    assert block["enabled"] is True and block["reentrant"] is True
+    assert "checkpointing 2/2 decoder layers (hf, reentrant)" in output
+
+
+def test_multirun_writes_sweep_summary(tmp_path):
+    result = ok(train(tmp_path, "activation_checkpointing=off,full,every_2", multirun=True))
+    sweep = tmp_path / "sweep"
+    rows = list(csv.DictReader(open(sweep / "sweep_summary.csv")))
+    assert [r["mode"] for r in rows] == ["off", "full", "every_2"]
+    assert all(float(r["peak_activation_bytes"]) > 0 and float(r["step_time_s"]) > 0 for r in rows)
+    memory = {r["mode"]: float(r["peak_activation_bytes"]) for r in rows}
+    assert memory["full"] < memory["every_2"] < memory["off"]
+    assert (sweep / "sweep_summary.png").stat().st_size > 1000
+    assert result.returncode == 0
