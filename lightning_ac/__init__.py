@@ -10,6 +10,12 @@ from lightning_ac.config import (
     parse_config,
 )
 from lightning_ac.legacy import LegacyConfigWarning, migrate_legacy
+from lightning_ac.selective import (
+    SelectiveCheckpointingWarning,
+    apply_selective_checkpointing,
+    register_mandatory_save,
+    register_preferred_save,
+)
 
 __version__ = "0.1.0"
 
@@ -22,7 +28,11 @@ __all__ = [
     "LegacyConfigWarning",
     "OffloadConfig",
     "Placement",
+    "SelectiveCheckpointingWarning",
     "SelectiveConfig",
+    "apply_selective_checkpointing",
+    "register_mandatory_save",
+    "register_preferred_save",
     "callbacks_from_config",
     "migrate_legacy",
     "parse_config",

@@ -93,11 +93,6 @@ class ActivationCheckpointing(SuiteCallback):
         self.config = parse_config(
             {"implementation": implementation, "reentrant": reentrant, "kwargs": dict(kwargs or {}), "selective": selective}
         )
-        if self.config.selective is not None:
-            raise ConfigError(
-                "activation_checkpointing.selective: selective activation checkpointing is not available in this "
-                "version of lightning_ac yet. Remove selective to recompute whole layers."
-            )
         self.layers = layers
 
     def block(self) -> Dict[str, Any]:

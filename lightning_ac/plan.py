@@ -19,6 +19,8 @@ from lightning_ac.checkpoint.torch_layers import TORCH_ATTRIBUTES
 from lightning_ac.config import ActivationCheckpointingConfig, ConfigError, parse_config
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import DecoderLayers, find_decoder_layers
+from lightning_ac.selective.apply import build_policy
+from lightning_ac.selective.policy import SelectivePolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,6 +41,8 @@ class Plan:
         config: The combined, validated block.
         layers: The decoder layers found (after :meth:`apply`).
         checkpointed: For each layer, whether it is recomputed in backward.
+        selective: The selective checkpointing policy in force, if any (its ``report()`` shows what each
+            layer saves).
     """
 
     callbacks: List["SuiteCallback"]
@@ -46,6 +50,7 @@ class Plan:
     module: Optional[nn.Module] = None
     layers: Optional[DecoderLayers] = None
     checkpointed: List[bool] = field(default_factory=list)
+    selective: Optional[SelectivePolicy] = None
     _journal: Optional[ModuleJournal] = None
     _deferred: bool = False
 
@@ -143,29 +148,46 @@ class Plan:
         cfg = self.config
         self.layers = layers
         self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES)
+        modules = [m for _, m in layers.layers]
         try:
-            modules = [m for _, m in layers.layers]
+            context_fn = None
+            if cfg.selective is not None:
+                will_checkpoint = [i % cfg.every_n_layers == 0 for i in range(len(modules))]
+                self.selective = build_policy(cfg.selective, self.module, layers, will_checkpoint)
+                self.selective.install()
+                context_fn = self.selective.context_fn
             if layers.hf_models:
                 engine = "hf"
-                self.checkpointed = enable_hf_checkpointing(layers.hf_models, modules, cfg)
+                self.checkpointed = enable_hf_checkpointing(layers.hf_models, modules, cfg, context_fn)
             else:
                 engine = "torch"
-                self.checkpointed = wrap_layers(modules, cfg)
+                self.checkpointed = wrap_layers(modules, cfg, context_fn)
         except BaseException:
             self.remove()
             raise
-        mode = "reentrant" if cfg.use_reentrant else "non-reentrant"
-        every = f", every {cfg.every_n_layers} layers" if cfg.every_n_layers > 1 else ""
-        rank_zero_log(
-            f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers "
-            f"({engine}, {mode}{every})"
-        )
+        rank_zero_log(f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers ({self.describe(engine)})")
+
+    def describe(self, engine: str) -> str:
+        """The engine and options in force, as the log line shows them."""
+        cfg = self.config
+        parts = [engine, "reentrant" if cfg.use_reentrant else "non-reentrant"]
+        if cfg.every_n_layers > 1:
+            parts.append(f"every {cfg.every_n_layers} layers")
+        if cfg.selective is not None:
+            saves = [*cfg.selective.save, *(f"module {m}" for m in cfg.selective.save_modules)]
+            if cfg.selective.save_matmul_min_k:
+                saves.append(f"matmuls with K >= {cfg.selective.save_matmul_min_k}")
+            parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
+        return ", ".join(parts)
 
     def remove(self) -> None:
         """Undo everything :meth:`apply` installed. Safe to call more than once."""
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
+        if self.selective is not None:
+            self.selective.remove()
+            self.selective = None
         if self._journal is not None:
             self._journal.restore()
             self._journal = None

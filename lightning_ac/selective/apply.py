@@ -1,0 +1,121 @@
+"""Installing a selective policy: from a plan, or on a model whose checkpointing someone else enabled."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch import nn
+
+from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
+from lightning_ac.layers import DecoderLayers, find_decoder_layers
+from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
+
+__all__ = ["apply_selective_checkpointing", "build_policy", "compiled_layers"]
+
+
+def compiled_layers(layers: Sequence[nn.Module]) -> List[int]:
+    """Indices of layers compiled with ``torch.compile`` (as a module, or via ``module.compile()``)."""
+    found = []
+    for index, layer in enumerate(layers):
+        compiled_module = type(layer).__name__ == "OptimizedModule" or hasattr(layer, "_orig_mod")
+        if compiled_module or getattr(layer, "_compiled_call_impl", None) is not None:
+            found.append(index)
+    return found
+
+
+def _module_names(root: nn.Module, layers: DecoderLayers) -> Dict[nn.Module, str]:
+    # save_modules names are the base model's: relative to the transformers model, which PEFT wraps from
+    # outside; for plain torch layers, relative to the module the layers were searched in.
+    names: Dict[nn.Module, str] = {}
+    for owner in layers.hf_models or [root]:
+        for name, module in owner.named_modules():
+            names.setdefault(module, name)
+    return names
+
+
+def build_policy(
+    config: SelectiveConfig,
+    root: nn.Module,
+    layers: DecoderLayers,
+    checkpointed: Optional[Sequence[bool]] = None,
+    storage_factory: Optional[StorageFactory] = None,
+) -> SelectivePolicy:
+    """A policy for the decoder layers of ``root``; raises ``ConfigError`` for compiled layers."""
+    modules = [m for _, m in layers.layers]
+    compiled = compiled_layers(modules)
+    if compiled:
+        raise ConfigError(
+            f"activation_checkpointing.selective: decoder layers {compiled} are compiled with torch.compile, but "
+            "selective checkpointing here runs eagerly (torch's selective-checkpoint policy API). Compile after "
+            "training setup without selective, or remove selective to recompute whole layers."
+        )
+    count = sum(checkpointed) if checkpointed is not None else len(modules)
+    return SelectivePolicy(
+        config,
+        modules,
+        _module_names(root, layers),
+        layers.layer_types,
+        storage_factory=storage_factory,
+        diagnose_after=max(1, count),
+    )
+
+
+class _AppliedPolicy:
+    """What :func:`apply_selective_checkpointing` installed; ``remove()`` undoes it."""
+
+    def __init__(self, policy: SelectivePolicy, layers: List[nn.Module], originals: List[Any]) -> None:
+        self.policy = policy
+        self._layers, self._originals = layers, originals
+
+    def remove(self) -> None:
+        for layer, original in zip(self._layers, self._originals):
+            layer._gradient_checkpointing_func = original
+        self._layers, self._originals = [], []
+        self.policy.remove()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+def apply_selective_checkpointing(model: nn.Module, save: Sequence[str] = ("attention",), **rules: Any) -> _AppliedPolicy:
+    """Install a selective policy on a transformers model whose checkpointing is already enabled.
+
+    Use this where checkpointing is turned on by someone else (``model.activation_checkpointing_enable()``
+    from transformers, for instance), so that plugin-registered saves and the ``save`` list apply there
+    too. ``apply_selective_checkpointing(model, save=[])`` applies only the registered saves.
+
+    Args:
+        model: A transformers model (plain or PEFT-wrapped) with non-reentrant checkpointing enabled.
+        save: Ops to save, as in ``selective.save``.
+        **rules: ``save_modules``, ``save_matmul_min_k``, ``save_sliding_window``, ``recompute_layer_types``.
+
+    Returns:
+        A handle exposing the policy's ``report()``/``problems()``; ``remove()`` uninstalls it.
+
+    Raises:
+        ConfigError: If a rule is invalid, no checkpointed layer is found, or checkpointing is reentrant.
+    """
+    config = parse_config({"selective": {"save": list(save), **rules}}).selective
+    assert config is not None
+    layers = find_decoder_layers(model)
+    checkpointed = [m for _, m in layers.layers if getattr(m, "gradient_checkpointing", False)]
+    if not checkpointed:
+        raise ConfigError(
+            "apply_selective_checkpointing: found no checkpointed decoder layers. Enable checkpointing first "
+            "(model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False}))."
+        )
+    originals = []
+    for layer in checkpointed:
+        func = layer._gradient_checkpointing_func
+        if getattr(func, "keywords", {}).get("use_reentrant", True) is not False:
+            raise ConfigError(
+                "apply_selective_checkpointing: selective checkpointing requires non-reentrant checkpointing. "
+                "Enable it with activation_checkpointing_kwargs={'use_reentrant': False}."
+            )
+        originals.append(layer.__dict__.get("_gradient_checkpointing_func"))
+    policy = build_policy(config, model, layers)
+    policy.install()
+    for layer in checkpointed:
+        layer._gradient_checkpointing_func = functools.partial(layer._gradient_checkpointing_func, context_fn=policy.context_fn)
+    return _AppliedPolicy(policy, checkpointed, originals)

@@ -1,0 +1,398 @@
+"""The selective activation checkpointing (SAC) policy.
+
+Built on torch's selective-checkpoint API (eager): for every op in a checkpointed region's forward, the
+policy decides to save its output or recompute it. Decisions, in order:
+
+1. plugin-registered saves (mandatory, then preferred);
+2. attention calls in sliding-window layers are recomputed unless ``save_sliding_window``;
+3. ``save`` entries (``attention`` names the attention kernels; others are op-name substrings);
+4. matmuls inside ``save_modules``;
+5. matmuls whose contraction dim reaches ``save_matmul_min_k``.
+
+A dispatch mode sits above torch's SAC mode in each region. In the forward it records which rule saved
+which op and hands the forward a clone of each mandatory save (so an in-place edit cannot corrupt the
+cached tensor); in the recompute it counts how far the replay got, which tells whether a saved tensor was
+ever used. The storage of saved tensors comes from ``storage_factory`` (torch's SAC contexts by default), the
+seam through which an offloading storage can replace it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import logging
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_ac.config import SelectiveConfig
+from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
+from lightning_ac.selective.registry import RegisteredSave, registered_saves
+
+__all__ = ["SelectiveCheckpointingWarning", "SelectivePolicy", "StorageFactory"]
+
+log = logging.getLogger("lightning_ac")
+
+StorageFactory = Callable[[Callable[..., CheckpointPolicy]], Tuple[Any, Any]]
+
+
+class SelectiveCheckpointingWarning(UserWarning):
+    """A selective-checkpointing rule that saves nothing useful (never matched, never fired, never replayed)."""
+
+
+@dataclass(eq=False)
+class RuleStats:
+    """What one rule did: a ``save`` entry, a ``save_modules`` entry, the threshold, or a registered save."""
+
+    label: str
+    mandatory: bool = False
+    modules: int = 0  # save_modules: modules matched at install
+    hook_calls: int = 0  # save_modules: forward calls of matched modules
+    matched_ops: int = 0  # ops that matched the rule (saved or, for sliding layers, recomputed)
+    saved: int = 0  # outputs saved in forwards
+    replayed: int = 0  # saved outputs that a recompute reached
+    max_k: int = 0  # save_matmul_min_k: the largest K seen
+
+
+@dataclass(eq=False)
+class _Region:
+    """One checkpointed call: its forward decisions and how far its recompute replayed."""
+
+    layer: Optional[int]
+    layer_type: Optional[str]
+    last_rule: Optional[RuleStats] = None
+    ops: int = 0
+    saved: List[Tuple[int, RuleStats, str]] = field(default_factory=list)
+    mandatory: set = field(default_factory=set)
+    replayed_ops: int = 0
+
+
+def _clone_tensors(out: Any) -> Any:
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _is_skipped(name: str) -> bool:
+    # checkpoint's recompute adds detaches of its own; leaving them out keeps forward and replay indices aligned
+    return name == "aten::detach"
+
+
+class _ForwardMode(TorchDispatchMode):
+    def __init__(self, policy: "SelectivePolicy", region: _Region) -> None:
+        super().__init__()
+        self.policy, self.region = policy, region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if _is_skipped(name):
+            return func(*args, **kwargs)
+        region = self.region
+        region.last_rule = None
+        out = func(*args, **kwargs)  # torch's SAC mode below consults the policy, which sets last_rule
+        index, region.ops = region.ops, region.ops + 1
+        rule, region.last_rule = region.last_rule, None
+        if rule is not None:
+            region.saved.append((index, rule, name))
+            rule.saved += 1
+            if rule.mandatory:
+                region.mandatory.add(index)
+                out = _clone_tensors(out)
+        return out
+
+
+class _RecomputeMode(TorchDispatchMode):
+    def __init__(self, region: _Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_skipped(op_name(func)):
+            return func(*args, **kwargs)
+        region = self.region
+        index, region.replayed_ops = region.replayed_ops, region.replayed_ops + 1
+        out = func(*args, **kwargs)
+        if index in region.mandatory:
+            out = _clone_tensors(out)
+        return out
+
+
+def _name_matches(name: str, entry: str) -> bool:
+    if any(c in entry for c in "*?["):
+        return fnmatch.fnmatchcase(name, entry)
+    return name == entry or name.endswith("." + entry)
+
+
+def _peft_tuner_class() -> Optional[type]:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return None
+    return BaseTunerLayer
+
+
+class SelectivePolicy:
+    """A selective checkpointing policy for a set of decoder layers.
+
+    Args:
+        config: The ``selective`` block.
+        layers: The decoder layers, in order.
+        module_names: The base model's name for every module (before PEFT wraps it); ``save_modules``
+            entries match these names.
+        layer_types: Per-layer type (``sliding_attention``...) or ``None`` entries.
+        storage_factory: Builds the (forward, recompute) contexts that store saved tensors from a policy
+            function; torch's ``create_selective_checkpoint_contexts`` by default.
+        diagnose_after: Run the diagnostics once this many recomputes have finished (default: one per
+            layer, i.e. one full backward).
+    """
+
+    def __init__(
+        self,
+        config: SelectiveConfig,
+        layers: Sequence[nn.Module],
+        module_names: Dict[nn.Module, str],
+        layer_types: Optional[Sequence[Optional[str]]] = None,
+        storage_factory: Optional[StorageFactory] = None,
+        diagnose_after: Optional[int] = None,
+    ) -> None:
+        self.config = config
+        self.layers = list(layers)
+        self.layer_types = list(layer_types) if layer_types is not None else [None] * len(self.layers)
+        self.storage_factory: StorageFactory = storage_factory or create_selective_checkpoint_contexts
+        self.diagnose_after = diagnose_after if diagnose_after is not None else max(1, len(self.layers))
+        self.save_rules = {entry: RuleStats(f"save: {entry}") for entry in config.save}
+        self.module_rules = {entry: RuleStats(f"save_modules: {entry}") for entry in config.save_modules}
+        self.threshold_rule = (
+            RuleStats(f"save_matmul_min_k: {config.save_matmul_min_k}") if config.save_matmul_min_k else None
+        )
+        self.registered_rules: Dict[int, RuleStats] = {}
+        self.saved_ops_per_layer: Dict[int, Counter] = {}
+        self.regions = 0
+        self.recomputes = 0
+        self.diagnosed = False
+        self._module_names = module_names
+        self._matched_modules: Dict[str, List[nn.Module]] = {}
+        self._active: Counter = Counter()
+        self._current_layer: Optional[int] = None
+        self._handles: List[Any] = []
+
+    # -- install / remove -------------------------------------------------------------------------------
+
+    def matched_modules(self) -> Dict[str, List[nn.Module]]:
+        """For each ``save_modules`` entry, the modules whose matmuls it saves (PEFT layers resolved to
+        their ``base_layer``), only from inside the decoder layers."""
+        tuner = _peft_tuner_class()
+        matched: Dict[str, List[nn.Module]] = {entry: [] for entry in self.config.save_modules}
+        for layer in self.layers:
+            inside_tuner: set = set()
+            for module in layer.modules():
+                if module is layer or id(module) in inside_tuner:
+                    continue
+                if tuner is not None and isinstance(module, tuner):
+                    inside_tuner.update(id(m) for m in module.modules() if m is not module)
+                name = self._module_names.get(module)
+                if name is None:
+                    continue
+                for entry in matched:
+                    if _name_matches(name, entry):
+                        target = module
+                        if tuner is not None and isinstance(module, tuner):
+                            target = module.get_base_layer()
+                        matched[entry].append(target)
+        return matched
+
+    def install(self) -> None:
+        """Register the hooks that tell the policy which layer and which saved module is running."""
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
+            self._handles.append(layer.register_forward_hook(self._exit_layer, always_call=True))
+        self._matched_modules = self.matched_modules()
+        for entry, modules in self._matched_modules.items():
+            rule = self.module_rules[entry]
+            rule.modules = len(modules)
+            for module in modules:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry)))
+                self._handles.append(
+                    module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
+                )
+        unmatched = [entry for entry, modules in self._matched_modules.items() if not modules]
+        for entry in unmatched:
+            self._warn(
+                f"selective.save_modules entry {entry!r} matched no module inside the decoder layers, so it saves "
+                "nothing. Entries match a module name exactly, as a dotted suffix (o_proj, self_attn.o_proj) or "
+                "as a glob with *, ? or [; names are the base model's (before PEFT wraps it)."
+            )
+
+    def remove(self) -> None:
+        """Remove the hooks. Safe to call more than once."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._active.clear()
+        self._current_layer = None
+
+    def _enter_layer(self, index: int, module: nn.Module, args: Any) -> None:
+        self._current_layer = index
+
+    def _exit_layer(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._current_layer = None
+
+    def _enter_module(self, entry: str, module: nn.Module, args: Any) -> None:
+        self._active[entry] += 1
+        self.module_rules[entry].hook_calls += 1
+
+    def _exit_module(self, entry: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self._active[entry] > 0:
+            self._active[entry] -= 1
+
+    # -- the policy --------------------------------------------------------------------------------------
+
+    def _registered_rule(self, entry: RegisteredSave) -> RuleStats:
+        rule = self.registered_rules.get(id(entry))
+        if rule is None:
+            kind = "register_mandatory_save" if entry.mandatory else "register_preferred_save"
+            rule = self.registered_rules[id(entry)] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
+        return rule
+
+    def decide(self, region: _Region, func: Any, args: tuple, kwargs: dict) -> Optional[RuleStats]:
+        """The rule that saves this op, or ``None`` to recompute it."""
+        name = op_name(func)
+        for entry in registered_saves():
+            if entry.matches(name):
+                rule = self._registered_rule(entry)
+                rule.matched_ops += 1
+                return rule
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return None  # an in-place op's output aliases its input: never cache it
+        cfg = self.config
+        attention = is_attention(name)
+        for entry, rule in self.save_rules.items():
+            if (attention and entry == "attention") or (entry != "attention" and entry in name and "backward" not in name):
+                rule.matched_ops += 1
+                if attention and not cfg.save_sliding_window and (
+                    region.layer_type in cfg.recompute_layer_types or sliding_window_of(func, args, kwargs)
+                ):
+                    return None  # sliding-window attention: cheap to recompute, not worth the memory
+                return rule
+        if not is_matmul(name):
+            return None
+        for entry, depth in self._active.items():
+            if depth > 0:
+                rule = self.module_rules[entry]
+                rule.matched_ops += 1
+                return rule
+        if self.threshold_rule is not None:
+            k = matmul_k(name, args)
+            if k is not None:
+                self.threshold_rule.max_k = max(self.threshold_rule.max_k, k)
+                if k >= (cfg.save_matmul_min_k or 0):
+                    self.threshold_rule.matched_ops += 1
+                    return self.threshold_rule
+        return None
+
+    def context_fn(self) -> Tuple[Any, Any]:
+        """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
+        layer = self._current_layer
+        region = _Region(layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None)
+
+        def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            rule = self.decide(region, func, args, kwargs)
+            region.last_rule = rule
+            if rule is None:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if rule.mandatory else CheckpointPolicy.PREFER_SAVE
+
+        storage_forward, storage_recompute = self.storage_factory(policy_fn)
+        return self._forward_context(region, storage_forward), self._recompute_context(region, storage_recompute)
+
+    @contextlib.contextmanager
+    def _forward_context(self, region: _Region, storage: Any) -> Iterator[None]:
+        self._active.clear()  # a recompute stopped early can leave a module hook unbalanced
+        self.regions += 1
+        with storage, _ForwardMode(self, region):
+            yield
+        if region.layer is not None:
+            self.saved_ops_per_layer[region.layer] = Counter(name for _, _, name in region.saved)
+
+    @contextlib.contextmanager
+    def _recompute_context(self, region: _Region, storage: Any) -> Iterator[None]:
+        region.replayed_ops = 0
+        try:
+            with storage, _RecomputeMode(region):
+                yield
+        finally:
+            self._active.clear()
+            for index, rule, _ in region.saved:
+                if index < region.replayed_ops:
+                    rule.replayed += 1
+            self.recomputes += 1
+            if not self.diagnosed and self.recomputes >= self.diagnose_after:
+                self.diagnosed = True
+                self.diagnose()
+
+    # -- diagnostics -------------------------------------------------------------------------------------
+
+    def problems(self) -> List[str]:
+        """Rules that saved nothing useful so far, one sentence each."""
+        found = []
+        for entry, rule in self.save_rules.items():
+            if rule.matched_ops == 0:
+                hint = (
+                    "no attention kernel ran (eager attention is bmm + softmax, which `attention` does not name)"
+                    if entry == "attention"
+                    else "no op's qualified name contains it"
+                )
+                found.append(
+                    f"selective.save entry {entry!r} matched no op in {self.regions} checkpointed regions: {hint}. "
+                    "Ops are matched at the dispatcher level as substrings of names like 'aten::mm'."
+                )
+        for entry, rule in self.module_rules.items():
+            if rule.modules and rule.hook_calls == 0:
+                found.append(f"selective.save_modules entry {entry!r} matched {rule.modules} modules, but none ran.")
+            elif rule.saved and rule.replayed == 0:
+                found.append(
+                    f"selective.save_modules entry {entry!r} saved {rule.saved} matmul outputs that no recompute "
+                    "replayed: recompute stops at the last tensor backward needs (a layer's final projection, like "
+                    "down_proj, is never replayed), so this costs memory for nothing. Prefer o_proj, gate_proj or up_proj."
+                )
+        threshold = self.threshold_rule
+        if threshold is not None and threshold.saved == 0:
+            found.append(
+                f"selective.save_matmul_min_k: {self.config.save_matmul_min_k} saved nothing: no matmul reached "
+                f"K >= {self.config.save_matmul_min_k} (largest K seen: {threshold.max_k}). Lower it to a linear "
+                "layer's in_features."
+            )
+        elif threshold is not None and threshold.replayed == 0:
+            found.append(
+                f"selective.save_matmul_min_k: {self.config.save_matmul_min_k} saved {threshold.saved} matmul "
+                "outputs that no recompute replayed; they cost memory for nothing."
+            )
+        for rule in self.registered_rules.values():
+            if rule.saved and rule.replayed == 0 and not rule.mandatory:
+                found.append(f"{rule.label} saved {rule.saved} outputs that no recompute replayed.")
+        return found
+
+    def diagnose(self) -> None:
+        """Warn once about each rule that saved nothing useful, and log what each layer saves (DEBUG)."""
+        for problem in self.problems():
+            self._warn(problem)
+        if log.isEnabledFor(logging.DEBUG):
+            for layer, saved in sorted(self.saved_ops_per_layer.items()):
+                log.debug("lightning_ac: layer %d saves %s", layer, dict(saved) or "nothing")
+
+    def report(self) -> Dict[int, Dict[str, int]]:
+        """Per decoder layer, how many outputs of each op its most recent forward saved."""
+        return {layer: dict(counts) for layer, counts in sorted(self.saved_ops_per_layer.items())}
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(message, SelectiveCheckpointingWarning, stacklevel=2)
