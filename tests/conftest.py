@@ -46,13 +46,14 @@ def tiny_config(family: str = "llama", **overrides: Any):
 def tiny_model(family: str = "llama", seed: int = 0, lora: bool = False, **overrides: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    lora_dropout = overrides.pop("lora_dropout", 0.0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
     if lora:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, lora_dropout=overrides.get("lora_dropout", 0.0),
+            model, LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         )
     return model

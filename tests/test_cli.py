@@ -61,13 +61,28 @@ def test_default_run_trains_and_writes_summary(tmp_path):
         (["activation_checkpointing=full", "activation_checkpointing.reentrant=true"], {"reentrant": True}, "2/2"),
         (["model=qwen3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
         (["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
+        (["activation_checkpointing=selective_attn"], {"selective": {"save": ["attention"]}}, "2/2"),
+        (
+            ["activation_checkpointing=full", "activation_checkpointing/selective=attention_mm"],
+            {"selective": {"save": ["attention", "aten::mm"]}},
+            "2/2",
+        ),
+        (
+            ["activation_checkpointing=full", "activation_checkpointing.selective={save:[],save_modules:[o_proj]}"],
+            {"selective": {"save": [], "save_modules": ["o_proj"]}},
+            "2/2",
+        ),
+        (["activation_checkpointing=full", "activation_checkpointing.selective=true"], {"selective": {"save": ["attention"]}}, "2/2"),
     ],
 )
 def test_modes_apply(tmp_path, overrides, applied, checkpointed):
     result = ok(train(tmp_path, *overrides))
     block = summary(tmp_path)["activation_checkpointing"]
     for key, value in applied.items():
-        assert block[key] == value
+        if isinstance(value, dict) and isinstance(block[key], dict):
+            assert {k: block[key][k] for k in value} == value
+        else:
+            assert block[key] == value
     assert f"checkpointing {checkpointed} decoder layers" in result.stdout + result.stderr
 
 
@@ -82,8 +97,6 @@ def test_full_matches_off_loss_and_saves_memory(tmp_path):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["activation_checkpointing=selective_attn"], "selective activation checkpointing is not available"),
-        (["activation_checkpointing=full", "activation_checkpointing/selective=attention"], "selective"),
         (["activation_checkpointing=offload_all"], "all: cpu is not available"),
         (["activation_checkpointing=offload_only"], "all: cpu is not available"),
         (["activation_checkpointing=offload_hidden"], "hidden_states: cpu is not available"),
@@ -109,6 +122,8 @@ def test_modes_not_yet_available_fail_clearly(tmp_path, overrides, fragment):
         (["activation_checkpointing=full", "+activation_checkpointing.kwargs.use_cache=false"], ["use_cache"]),
         (["+gradient_checkpointing=offload_disk"], ["offload_disk", "pending a fix"]),
         (["activation_checkpointing=full", "+gradient_checkpointing=true"], ["next to activation_checkpointing"]),
+        (["activation_checkpointing=selective_attn", "activation_checkpointing.reentrant=true"], ["requires non-reentrant"]),
+        (["activation_checkpointing=selective_attn", "activation_checkpointing.selective.save_matmul_min_k=0"], ["save_matmul_min_k"]),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
@@ -148,12 +163,14 @@ def test_legacy_key_is_migrated_with_warning(tmp_path):
 
 
 def test_multirun_writes_sweep_summary(tmp_path):
-    result = ok(train(tmp_path, "activation_checkpointing=off,full,every_2", multirun=True))
+    result = ok(train(tmp_path, "activation_checkpointing=off,full,every_2,selective_attn", multirun=True))
     sweep = tmp_path / "sweep"
     rows = list(csv.DictReader(open(sweep / "sweep_summary.csv")))
-    assert [r["mode"] for r in rows] == ["off", "full", "every_2"]
+    assert [r["mode"] for r in rows] == ["off", "full", "every_2", "selective_attn"]
+    assert len({r["final_loss"] for r in rows}) == 1, "every mode trains the same"
     assert all(float(r["peak_activation_bytes"]) > 0 and float(r["step_time_s"]) > 0 for r in rows)
     memory = {r["mode"]: float(r["peak_activation_bytes"]) for r in rows}
     assert memory["full"] < memory["every_2"] < memory["off"]
+    assert memory["full"] <= memory["selective_attn"] < memory["off"]
     assert (sweep / "sweep_summary.png").stat().st_size > 1000
     assert result.returncode == 0
