@@ -1,0 +1,306 @@
+"""Benchmark every mode side by side with what a user would use instead.
+
+    python -m lightning_ac.bench --out bench_out            # cpu-small on CPU
+    python -m lightning_ac.bench --preset gpu-8k --out bench_out
+
+Each mode trains the same model from the same weights on the same batch, in one process, with repetitions
+alternating between modes so that machine drift hits all modes alike. Suite modes go through our callbacks
+in a real Trainer; anchors apply transformers' or torch's checkpointing directly, without our code, in the
+same Trainer harness. Memory and step time come from :mod:`lightning_ac.memory`, the code the main job uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import logging
+import statistics
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_ac.callbacks import callbacks_from_config
+from lightning_ac.memory import StepMetrics
+
+__all__ = ["MODES", "PRESETS", "Row", "main", "run_benchmark"]
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # A Llama-style model where attention is a large share of each layer: hidden 256, 8 layers, 2k tokens.
+    "cpu-small": dict(
+        model=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=8192),
+        seq=2048, batch=1, dtype="float32", reps=3, steps=3,
+    ),
+    # ~1B-parameter Llama-style model in bf16 at 8k tokens, for one accelerator.
+    "gpu-8k": dict(
+        model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192),
+        seq=8192, batch=1, dtype="bfloat16", reps=2, steps=4,
+    ),
+}
+
+SUITE_MODES: Dict[str, Any] = {
+    "off": False,
+    "full": True,
+    "every_2": {"kwargs": {"every_n_layers": 2}},
+    "selective_attn": {"selective": {"save": ["attention"]}},
+    "selective_attn_mm": {"selective": {"save": ["attention", "aten::mm"]}},
+}
+ACCELERATOR_SUITE_MODES: Dict[str, Any] = {
+    "offload_hidden": {"offload": {"hidden_states": "cpu"}},
+    "offload_hidden_selective": {"selective": {"save": ["attention"]}, "offload": {"hidden_states": "cpu", "selective": "cpu"}},
+    "offload_all": {"offload": {"all": "cpu"}},
+    "offload_only": {"enabled": False, "offload": {"all": "cpu"}},
+}
+
+
+def _hf_native_full(model: nn.Module) -> None:
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _torch_checkpoint_wrapper(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
+    )
+
+
+def _hf_native_offload(model: nn.Module) -> None:
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+
+
+ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
+    "hf_native_full": _hf_native_full,
+    "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
+}
+ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"hf_native_offload": _hf_native_offload}
+MODES = {**SUITE_MODES, **ANCHORS}
+
+
+@dataclass
+class Row:
+    """One mode's result."""
+
+    mode: str
+    kind: str  # "suite" or "anchor"
+    peak_activation_bytes: Optional[int]
+    step_time_s: Optional[float]
+    max_grad_diff: Optional[float]
+    status: str = "ok"
+
+
+class _BenchModule(pl.LightningModule):
+    def __init__(self, model: nn.Module, capture_grads: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.capture_grads = capture_grads
+        self.grads: Optional[Dict[str, torch.Tensor]] = None
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.capture_grads and self.grads is None:
+            # torch's checkpoint_wrapper re-parents layers; strip its prefix so names match across modes
+            self.grads = {
+                n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().float().cpu().clone()
+                for n, p in self.named_parameters()
+                if p.grad is not None
+            }
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # A tiny learning rate keeps the weights (and the next step's cost) nearly unchanged between steps.
+        return torch.optim.AdamW(self.parameters(), lr=1e-6)
+
+
+class _SameBatch(torch.utils.data.Dataset):
+    def __init__(self, batch: torch.Tensor, length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.batch
+
+
+def _build_model(preset: Dict[str, Any], dtype: torch.dtype, seed: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**preset["model"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _run_mode(mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measure: bool, capture: bool, accelerator: str):
+    model = copy.deepcopy(base)
+    callbacks: List[pl.Callback] = []
+    if mode in ANCHORS or mode in ACCELERATOR_ANCHORS:
+        {**ANCHORS, **ACCELERATOR_ANCHORS}[mode](model)
+    else:
+        callbacks = callbacks_from_config({**SUITE_MODES, **ACCELERATOR_SUITE_MODES}[mode])
+    metrics = StepMetrics(measure_step=1 if measure else -1, warmup_steps=2)
+    module = _BenchModule(model, capture)
+    trainer = pl.Trainer(
+        accelerator=accelerator, devices=1, max_steps=2 + steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, metrics],
+    )
+    # Each sample is the whole [batch, seq] tensor; the loader adds the batch dim.
+    loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps), batch_size=None)
+    trainer.fit(module, loader)
+    return metrics, module.grads
+
+
+def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = None, seq: Optional[int] = None,
+                  batch: Optional[int] = None, dtype: Optional[str] = None, reps: Optional[int] = None,
+                  steps: Optional[int] = None, seed: int = 0) -> List[Row]:
+    """Run the benchmark and return one :class:`Row` per mode."""
+    preset = copy.deepcopy(PRESETS[preset_name])
+    seq, batch_size = seq or preset["seq"], batch or preset["batch"]
+    reps, steps = reps or preset["reps"], steps or preset["steps"]
+    torch_dtype = getattr(torch, dtype or preset["dtype"])
+    on_accelerator = torch.cuda.is_available()
+    accelerator = "gpu" if on_accelerator else "cpu"
+    if modes is None:
+        modes = list(SUITE_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
+        modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
+    unknown = [m for m in modes if m not in {**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS}]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS})}")
+    base = _build_model(preset, torch_dtype, seed)
+    generator = torch.Generator().manual_seed(seed)
+    batch_ids = torch.randint(0, preset["model"]["vocab_size"], (batch_size, seq), generator=generator)
+
+    times: Dict[str, List[float]] = {m: [] for m in modes}
+    peaks: Dict[str, Optional[int]] = {m: None for m in modes}
+    grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
+    status: Dict[str, str] = {m: "ok" for m in modes}
+    for rep in range(reps):
+        # Alternate the order so that drift (thermal, other load) does not favour the modes that run first.
+        order = modes if rep % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            if status[mode] != "ok":
+                continue
+            try:
+                metrics, mode_grads = _run_mode(mode, base, batch_ids, steps, measure=rep == 0, capture=rep == 0, accelerator=accelerator)
+            except Exception as err:  # a mode that cannot run here is reported, not fatal
+                status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                continue
+            times[mode].extend(metrics.step_times)
+            if rep == 0:
+                peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
+                grads[mode] = mode_grads
+            print(f"rep {rep} {mode:26s} step {statistics.median(metrics.step_times):.3f} s", file=sys.stderr, flush=True)
+
+    rows = []
+    reference = grads.get("off")
+    for mode in modes:
+        diff = None
+        if reference is not None and grads[mode] is not None:
+            diff = max(float((grads[mode][n] - g).abs().max()) for n, g in reference.items())
+        rows.append(Row(
+            mode=mode,
+            kind="anchor" if mode in ANCHORS or mode in ACCELERATOR_ANCHORS else "suite",
+            peak_activation_bytes=peaks[mode],
+            step_time_s=statistics.median(times[mode]) if times[mode] else None,
+            max_grad_diff=diff,
+            status=status[mode],
+        ))
+    return rows
+
+
+def _ratio(value: Optional[float], base: Optional[float]) -> str:
+    return f"{value / base:.2f}x" if value is not None and base else "—"
+
+
+def results_markdown(rows: List[Row]) -> str:
+    """A table with ratios to ``off`` and to ``hf_native_full``."""
+    by = {r.mode: r for r in rows}
+    off, hf = by.get("off"), by.get("hf_native_full")
+    lines = [
+        "| mode | kind | activation peak (MiB) | vs off | vs hf_native_full | step (s) | vs off | vs hf_native_full | max grad diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mib = f"{r.peak_activation_bytes / 2**20:.1f}" if r.peak_activation_bytes is not None else "—"
+        step = f"{r.step_time_s:.3f}" if r.step_time_s is not None else "—"
+        diff = f"{r.max_grad_diff:.1e}" if r.max_grad_diff is not None else "—"
+        if r.status != "ok":
+            step = r.status
+        lines.append(
+            f"| `{r.mode}` | {r.kind} | {mib} | {_ratio(r.peak_activation_bytes, off and off.peak_activation_bytes)} | "
+            f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
+            f"{_ratio(r.step_time_s, off and off.step_time_s)} | {_ratio(r.step_time_s, hf and hf.step_time_s)} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[Row], path: Path) -> None:
+    """Activation memory against step time, one point per mode, anchors marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for r in rows:
+        if r.peak_activation_bytes is None or r.step_time_s is None:
+            continue
+        anchor = r.kind == "anchor"
+        ax.scatter(r.step_time_s, r.peak_activation_bytes / 2**20, marker="s" if anchor else "o",
+                   color="tab:gray" if anchor else "tab:blue", s=60)
+        ax.annotate(r.mode, (r.step_time_s, r.peak_activation_bytes / 2**20), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("median step time (s)")
+    ax.set_ylabel("activation peak (MiB)")
+    ax.set_title("lightning_ac modes (circles) and anchors (squares)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> List[Row]:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ac.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA")
+    parser.add_argument("--modes", nargs="+", default=None, help=f"default: all that run here ({', '.join(MODES)}, ...)")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--reps", type=int, default=None, help="alternating repetitions per mode")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
+    parser.add_argument("--out", type=Path, default=None, help="write results.json, results.md, memory_time.png here")
+    args = parser.parse_args(argv)
+    preset = args.preset or ("gpu-8k" if torch.cuda.is_available() else "cpu-small")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning_ac").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps)
+    table = results_markdown(rows)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
+        plot(rows, args.out / "memory_time.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
