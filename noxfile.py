@@ -39,6 +39,14 @@ def gpu(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", "lightning_ac", "examples", "tests", "noxfile.py")
+    session.run("ruff", "format", "--check", "lightning_ac", "examples", "tests", "noxfile.py")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """The mode benchmark (cpu-small on CPU). Extra arguments go to `python -m lightning_ac.bench`."""
+    _install(session, "examples")
+    session.run("python", "-m", "lightning_ac.bench", "--out", "bench_out", *session.posargs)
 
 
 @nox.session(default=False)

@@ -17,11 +17,45 @@ log = logging.getLogger("train")
 
 # Standard-library modules whose docstrings make the corpus: real English prose shipped with every Python.
 CORPUS_MODULES = (
-    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-    "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io",
-    "itertools", "json", "logging", "os", "pathlib", "pickle", "random", "re", "shutil", "socket",
-    "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest",
-    "urllib.parse", "uuid", "warnings", "zipfile",
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "io",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "zipfile",
 )
 
 
@@ -31,7 +65,11 @@ def corpus_text() -> str:
     for name in CORPUS_MODULES:
         module = importlib.import_module(name)
         for obj in [module, *(getattr(module, n) for n in sorted(dir(module)) if not n.startswith("_"))]:
-            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj)) else None
+            doc = (
+                inspect.getdoc(obj)
+                if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj))
+                else None
+            )
             if doc and len(doc) > 80 and doc not in parts:
                 parts.append(doc)
     return "\n\n".join(parts)
@@ -107,7 +145,9 @@ class LossPrinter(Callback):
     def __init__(self, every: int = 10) -> None:
         self.every = every
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == 1 or step % self.every == 0 or step == trainer.max_steps:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs

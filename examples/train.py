@@ -17,11 +17,10 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import hydra
 import lightning.pytorch as pl
-import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -29,12 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
+from sweep import write_sweep_summary  # noqa: E402
+
 from lightning_ac import ActivationCheckpointingConfig, ConfigError, callbacks_from_config, migrate_legacy  # noqa: E402
 from lightning_ac.config import config_to_dict, parse_config  # noqa: E402
 from lightning_ac.legacy import LEGACY_KEYS  # noqa: E402
 from lightning_ac.memory import StepMetrics  # noqa: E402
-from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
-from sweep import write_sweep_summary  # noqa: E402
 
 log = logging.getLogger("train")
 # peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.

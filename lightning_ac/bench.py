@@ -35,15 +35,37 @@ __all__ = ["MODES", "PRESETS", "Row", "main", "run_benchmark"]
 PRESETS: Dict[str, Dict[str, Any]] = {
     # A Llama-style model where attention is a large share of each layer: hidden 256, 8 layers, 2k tokens.
     "cpu-small": dict(
-        model=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=8192),
-        seq=2048, batch=1, dtype="float32", reps=3, steps=3,
+        model=dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=256,
+            max_position_embeddings=8192,
+        ),
+        seq=2048,
+        batch=1,
+        dtype="float32",
+        reps=3,
+        steps=3,
     ),
     # ~1B-parameter Llama-style model in bf16 at 8k tokens, for one accelerator.
     "gpu-8k": dict(
-        model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192),
-        seq=8192, batch=1, dtype="bfloat16", reps=2, steps=4,
+        model=dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=8192,
+        ),
+        seq=8192,
+        batch=1,
+        dtype="bfloat16",
+        reps=2,
+        steps=4,
     ),
 }
 
@@ -56,7 +78,10 @@ SUITE_MODES: Dict[str, Any] = {
 }
 ACCELERATOR_SUITE_MODES: Dict[str, Any] = {
     "offload_hidden": {"offload": {"hidden_states": "cpu"}},
-    "offload_hidden_selective": {"selective": {"save": ["attention"]}, "offload": {"hidden_states": "cpu", "selective": "cpu"}},
+    "offload_hidden_selective": {
+        "selective": {"save": ["attention"]},
+        "offload": {"hidden_states": "cpu", "selective": "cpu"},
+    },
     "offload_all": {"offload": {"all": "cpu"}},
     "offload_only": {"enabled": False, "offload": {"all": "cpu"}},
 }
@@ -149,7 +174,9 @@ def _build_model(preset: Dict[str, Any], dtype: torch.dtype, seed: int) -> nn.Mo
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _run_mode(mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measure: bool, capture: bool, accelerator: str):
+def _run_mode(
+    mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measure: bool, capture: bool, accelerator: str
+):
     model = copy.deepcopy(base)
     callbacks: List[pl.Callback] = []
     if mode in ANCHORS or mode in ACCELERATOR_ANCHORS:
@@ -159,8 +186,14 @@ def _run_mode(mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measu
     metrics = StepMetrics(measure_step=1 if measure else -1, warmup_steps=2)
     module = _BenchModule(model, capture)
     trainer = pl.Trainer(
-        accelerator=accelerator, devices=1, max_steps=2 + steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, metrics],
+        accelerator=accelerator,
+        devices=1,
+        max_steps=2 + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, metrics],
     )
     # Each sample is the whole [batch, seq] tensor; the loader adds the batch dim.
     loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps), batch_size=None)
@@ -168,9 +201,16 @@ def _run_mode(mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measu
     return metrics, module.grads
 
 
-def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = None, seq: Optional[int] = None,
-                  batch: Optional[int] = None, dtype: Optional[str] = None, reps: Optional[int] = None,
-                  steps: Optional[int] = None, seed: int = 0) -> List[Row]:
+def run_benchmark(
+    preset_name: str = "cpu-small",
+    modes: Optional[List[str]] = None,
+    seq: Optional[int] = None,
+    batch: Optional[int] = None,
+    dtype: Optional[str] = None,
+    reps: Optional[int] = None,
+    steps: Optional[int] = None,
+    seed: int = 0,
+) -> List[Row]:
     """Run the benchmark and return one :class:`Row` per mode."""
     preset = copy.deepcopy(PRESETS[preset_name])
     seq, batch_size = seq or preset["seq"], batch or preset["batch"]
@@ -183,7 +223,10 @@ def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = N
         modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
     unknown = [m for m in modes if m not in {**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS}]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS})}")
+        raise SystemExit(
+            f"unknown mode(s) {unknown}; choose from "
+            f"{sorted({**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS})}"
+        )
     base = _build_model(preset, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
     batch_ids = torch.randint(0, preset["model"]["vocab_size"], (batch_size, seq), generator=generator)
@@ -199,7 +242,9 @@ def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = N
             if status[mode] != "ok":
                 continue
             try:
-                metrics, mode_grads = _run_mode(mode, base, batch_ids, steps, measure=rep == 0, capture=rep == 0, accelerator=accelerator)
+                metrics, mode_grads = _run_mode(
+                    mode, base, batch_ids, steps, measure=rep == 0, capture=rep == 0, accelerator=accelerator
+                )
             except Exception as err:  # a mode that cannot run here is reported, not fatal
                 status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 continue
@@ -207,7 +252,9 @@ def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = N
             if rep == 0:
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
                 grads[mode] = mode_grads
-            print(f"rep {rep} {mode:26s} step {statistics.median(metrics.step_times):.3f} s", file=sys.stderr, flush=True)
+            print(
+                f"rep {rep} {mode:26s} step {statistics.median(metrics.step_times):.3f} s", file=sys.stderr, flush=True
+            )
 
     rows = []
     reference = grads.get("off")
@@ -215,14 +262,16 @@ def run_benchmark(preset_name: str = "cpu-small", modes: Optional[List[str]] = N
         diff = None
         if reference is not None and grads[mode] is not None:
             diff = max(float((grads[mode][n] - g).abs().max()) for n, g in reference.items())
-        rows.append(Row(
-            mode=mode,
-            kind="anchor" if mode in ANCHORS or mode in ACCELERATOR_ANCHORS else "suite",
-            peak_activation_bytes=peaks[mode],
-            step_time_s=statistics.median(times[mode]) if times[mode] else None,
-            max_grad_diff=diff,
-            status=status[mode],
-        ))
+        rows.append(
+            Row(
+                mode=mode,
+                kind="anchor" if mode in ANCHORS or mode in ACCELERATOR_ANCHORS else "suite",
+                peak_activation_bytes=peaks[mode],
+                step_time_s=statistics.median(times[mode]) if times[mode] else None,
+                max_grad_diff=diff,
+                status=status[mode],
+            )
+        )
     return rows
 
 
@@ -235,7 +284,8 @@ def results_markdown(rows: List[Row]) -> str:
     by = {r.mode: r for r in rows}
     off, hf = by.get("off"), by.get("hf_native_full")
     lines = [
-        "| mode | kind | activation peak (MiB) | vs off | vs hf_native_full | step (s) | vs off | vs hf_native_full | max grad diff |",
+        "| mode | kind | activation peak (MiB) | vs off | vs hf_native_full "
+        "| step (s) | vs off | vs hf_native_full | max grad diff |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -247,7 +297,8 @@ def results_markdown(rows: List[Row]) -> str:
         lines.append(
             f"| `{r.mode}` | {r.kind} | {mib} | {_ratio(r.peak_activation_bytes, off and off.peak_activation_bytes)} | "
             f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
-            f"{_ratio(r.step_time_s, off and off.step_time_s)} | {_ratio(r.step_time_s, hf and hf.step_time_s)} | {diff} |"
+            f"{_ratio(r.step_time_s, off and off.step_time_s)} | "
+            f"{_ratio(r.step_time_s, hf and hf.step_time_s)} | {diff} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -264,9 +315,22 @@ def plot(rows: List[Row], path: Path) -> None:
         if r.peak_activation_bytes is None or r.step_time_s is None:
             continue
         anchor = r.kind == "anchor"
-        ax.scatter(r.step_time_s, r.peak_activation_bytes / 2**20, marker="s" if anchor else "o",
-                   color="tab:gray" if anchor else "tab:blue", s=60)
-        ax.annotate(r.mode, (r.step_time_s, r.peak_activation_bytes / 2**20), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.scatter(
+            r.step_time_s,
+            r.peak_activation_bytes / 2**20,
+            marker="s" if anchor else "o",
+            color="tab:gray" if anchor else "tab:blue",
+            s=60,
+        )
+        # anchors sit next to the suite mode they mirror: label them below, suite modes above
+        ax.annotate(
+            r.mode,
+            (r.step_time_s, r.peak_activation_bytes / 2**20),
+            textcoords="offset points",
+            xytext=(6, -12 if anchor else 4),
+            fontsize=8,
+            rotation=-20 if anchor else 0,
+        )
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("activation peak (MiB)")
     ax.set_title("lightning_ac modes (circles) and anchors (squares)")
@@ -278,8 +342,12 @@ def plot(rows: List[Row], path: Path) -> None:
 
 def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser = argparse.ArgumentParser(prog="python -m lightning_ac.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA")
-    parser.add_argument("--modes", nargs="+", default=None, help=f"default: all that run here ({', '.join(MODES)}, ...)")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", default=None, help=f"default: all that run here ({', '.join(MODES)}, ...)"
+    )
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)

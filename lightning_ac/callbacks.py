@@ -29,7 +29,7 @@ class SuiteCallback(Callback):
         """The plan in force during a run, ``None`` outside one."""
         return self._plan
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._plan is not None and self._plan.module is pl_module and (self._plan.applied or self._plan._deferred):
             return  # another suite callback applied the shared plan already
         plan = Plan.gather(trainer)
@@ -45,10 +45,10 @@ class SuiteCallback(Callback):
         for cb in plan.callbacks:
             cb._plan = None
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 
 
@@ -91,7 +91,12 @@ class ActivationCheckpointing(SuiteCallback):
                 )
             layers = list(layers)
         self.config = parse_config(
-            {"implementation": implementation, "reentrant": reentrant, "kwargs": dict(kwargs or {}), "selective": selective}
+            {
+                "implementation": implementation,
+                "reentrant": reentrant,
+                "kwargs": dict(kwargs or {}),
+                "selective": selective,
+            }
         )
         self.layers = layers
 
@@ -114,8 +119,9 @@ class ActivationCheckpointing(SuiteCallback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("activation_checkpointing")
         if saved is not None and saved != config_to_dict(self.config):
-            from lightning_ac._logging import rank_zero_log
             import logging
+
+            from lightning_ac._logging import rank_zero_log
 
             rank_zero_log(
                 f"lightning_ac: resuming with activation_checkpointing {config_to_dict(self.config)}; the "
@@ -160,8 +166,7 @@ class LayerOffload(SuiteCallback):
 
     def __init__(self) -> None:
         raise ConfigError(
-            "layer_offloading: true is not available in this version of lightning_ac yet. "
-            "Set layer_offloading: false."
+            "layer_offloading: true is not available in this version of lightning_ac yet. Set layer_offloading: false."
         )
 
     def block(self) -> Dict[str, Any]:  # pragma: no cover - unreachable until layer offloading lands

@@ -236,9 +236,7 @@ def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
         save=_parse_str_list(value.get("save", defaults.save), f"{where}.save"),
         save_modules=_parse_str_list(value.get("save_modules", defaults.save_modules), f"{where}.save_modules"),
         save_matmul_min_k=min_k,
-        save_sliding_window=bool(
-            _parse_bool(value.get("save_sliding_window", False), f"{where}.save_sliding_window")
-        ),
+        save_sliding_window=bool(_parse_bool(value.get("save_sliding_window", False), f"{where}.save_sliding_window")),
         recompute_layer_types=_parse_str_list(
             value.get("recompute_layer_types", defaults.recompute_layer_types), f"{where}.recompute_layer_types"
         ),

@@ -74,7 +74,9 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
     cfg = _to_plain(mapping)
     fsdp_config = cfg.get("fsdp_config")
     has_fsdp_ac = isinstance(fsdp_config, Mapping) and "activation_checkpointing" in fsdp_config
-    present = [k for k in LEGACY_KEYS[:-1] if k in cfg] + (["fsdp_config.activation_checkpointing"] if has_fsdp_ac else [])
+    present = [k for k in LEGACY_KEYS[:-1] if k in cfg] + (
+        ["fsdp_config.activation_checkpointing"] if has_fsdp_ac else []
+    )
     if not present:
         return cfg
     if "activation_checkpointing" in cfg:

@@ -8,16 +8,19 @@ peaks. MemTracker slows the step it watches, so that step is left out of the ste
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 
 __all__ = ["MemoryPeak", "StepMetrics", "measure_step"]
+
+log = logging.getLogger("lightning_ac")
 
 
 @dataclass
@@ -47,7 +50,7 @@ class _StepMeasurement:
         self._baseline = 0
         self.result: Optional[MemoryPeak] = None
 
-    def __enter__(self) -> "_StepMeasurement":
+    def __enter__(self) -> _StepMeasurement:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -117,7 +120,9 @@ def _tracker_class() -> type:
     return FrozenAwareMemTracker
 
 
-def measure_step(modules: List[torch.nn.Module], optimizers: List[torch.optim.Optimizer], device: torch.device) -> _StepMeasurement:
+def measure_step(
+    modules: List[torch.nn.Module], optimizers: List[torch.optim.Optimizer], device: torch.device
+) -> _StepMeasurement:
     """A context manager measuring the memory peak of what runs inside it (``.result`` after exit)."""
     return _StepMeasurement(modules, optimizers, device)
 
@@ -152,15 +157,23 @@ class StepMetrics(Callback):
         """Median wall time of the timed steps, ``None`` before any."""
         return statistics.median(self.step_times) if self.step_times else None
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.measure_step and self.peak is None:
-            self._measurement = measure_step([pl_module], list(trainer.optimizers), pl_module.device)
-            self._measurement.__enter__()
+            measurement = measure_step([pl_module], list(trainer.optimizers), pl_module.device)
+            try:
+                measurement.__enter__()
+                self._measurement = measurement
+            except Exception as err:  # MemTracker is private torch API: never let it stop training
+                log.warning("lightning_ac: memory measurement unavailable (%s: %s)", type(err).__name__, err)
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._start
@@ -168,12 +181,16 @@ class StepMetrics(Callback):
         if isinstance(loss, torch.Tensor):
             self.losses.append(float(loss.detach()))
         if self._measurement is not None:
-            self._measurement.__exit__(None, None, None)
-            self.peak, self._measurement = self._measurement.result, None
+            measurement, self._measurement = self._measurement, None
+            try:
+                measurement.__exit__(None, None, None)
+                self.peak = measurement.result
+            except Exception as err:
+                log.warning("lightning_ac: memory measurement failed (%s: %s)", type(err).__name__, err)
         elif trainer.global_step > self.warmup_steps:
             self.step_times.append(elapsed)
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._measurement is not None:
             self._measurement.__exit__(type(exception), exception, None)
             self._measurement = None

@@ -8,7 +8,7 @@ others find it applied. Removal happens once, in ``teardown`` or ``on_exception`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from torch import nn
 
@@ -45,7 +45,7 @@ class Plan:
             layer saves).
     """
 
-    callbacks: List["SuiteCallback"]
+    callbacks: List[SuiteCallback]
     config: ActivationCheckpointingConfig
     module: Optional[nn.Module] = None
     layers: Optional[DecoderLayers] = None
@@ -55,7 +55,7 @@ class Plan:
     _deferred: bool = False
 
     @classmethod
-    def gather(cls, trainer: "pl.Trainer") -> "Plan":
+    def gather(cls, trainer: pl.Trainer) -> Plan:
         """Collect the suite callbacks of ``trainer`` and validate their combination."""
         from lightning_ac.callbacks import ActivationCheckpointing, SuiteCallback
 
@@ -83,7 +83,7 @@ class Plan:
     def applied(self) -> bool:
         return self._journal is not None
 
-    def check_strategy(self, trainer: "pl.Trainer") -> None:
+    def check_strategy(self, trainer: pl.Trainer) -> None:
         """Strategy rules that the block alone cannot check."""
         strategy = type(trainer.strategy).__name__
         if self.config.enabled and self.config.implementation == "fsdp":
@@ -97,7 +97,7 @@ class Plan:
                 "this version of lightning_ac yet. Use implementation: hf, which works under FSDP too."
             )
 
-    def apply(self, trainer: "pl.Trainer", module: nn.Module) -> None:
+    def apply(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Apply the plan to ``module``; defers to just after ``configure_model`` if the layers do not exist yet."""
         if self.applied or self._deferred:
             return
@@ -165,7 +165,10 @@ class Plan:
         except BaseException:
             self.remove()
             raise
-        rank_zero_log(f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers ({self.describe(engine)})")
+        rank_zero_log(
+            f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers "
+            f"({self.describe(engine)})"
+        )
 
     def describe(self, engine: str) -> str:
         """The engine and options in force, as the log line shows them."""

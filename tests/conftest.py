@@ -53,8 +53,13 @@ def tiny_model(family: str = "llama", seed: int = 0, lora: bool = False, **overr
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
-                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=lora_dropout,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
         )
     return model
 
@@ -113,8 +118,8 @@ def batches(n: int = 4, seed: int = 1) -> torch.utils.data.DataLoader:
 
 def make_trainer(callbacks=(), max_steps: int = 1, **kwargs: Any) -> pl.Trainer:
     kwargs.setdefault("logger", False)
+    kwargs.setdefault("accelerator", "cpu")
     return pl.Trainer(
-        accelerator="cpu",
         devices=1,
         max_steps=max_steps,
         callbacks=list(callbacks),
@@ -136,12 +141,23 @@ def model_fingerprint(root: torch.nn.Module) -> Dict[str, Any]:
     snap: Dict[str, Any] = {"state_dict": sorted(root.state_dict().keys())}
     for name, m in root.named_modules():
         snap[name] = (
-            sorted(k for k in m.__dict__ if not k.startswith("_") or k.startswith("_gradient") or k.startswith("_require")),
+            sorted(
+                k for k in m.__dict__ if not k.startswith("_") or k.startswith("_gradient") or k.startswith("_require")
+            ),
             {k: v for k, v in m.__dict__.items() if k in ("gradient_checkpointing",)},
             "forward" in m.__dict__,
             "configure_model" in m.__dict__,
-            *(len(getattr(m, d)) for d in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                            "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")),
+            *(
+                len(getattr(m, d))
+                for d in (
+                    "_forward_hooks",
+                    "_forward_pre_hooks",
+                    "_backward_hooks",
+                    "_backward_pre_hooks",
+                    "_state_dict_hooks",
+                    "_load_state_dict_pre_hooks",
+                )
+            ),
         )
     return snap
 

@@ -7,9 +7,9 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from torch import nn
 
-from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from lightning_ac import ActivationCheckpointing, ConfigError, callbacks_from_config
 
 MM = "aten.mm"
@@ -18,7 +18,11 @@ SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 
 
 def assert_same_training(reference: LM, run: LM, exact: bool = True) -> None:
-    assert reference.losses == run.losses if exact else torch.allclose(torch.tensor(reference.losses), torch.tensor(run.losses))
+    assert (
+        reference.losses == run.losses
+        if exact
+        else torch.allclose(torch.tensor(reference.losses), torch.tensor(run.losses))
+    )
     assert reference.grads.keys() == run.grads.keys() and reference.grads
     for name, grad in reference.grads.items():
         if exact:
@@ -186,7 +190,7 @@ def test_hf_flags_and_hooks_exist_only_during_fit(llama):
     assert seen["flags"] == [True, False, True, False]
     assert seen["hooks"] == 1  # transformers' enable_input_require_grads
     assert model_fingerprint(module) == fingerprint
-    assert not any(getattr(layer, "gradient_checkpointing") for layer in llama.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in llama.model.layers)
 
 
 class Boom(pl.Callback):
@@ -218,7 +222,9 @@ def test_state_dict_keys_unchanged_during_fit(llama):
 
 def test_save_and_resume_lightning_checkpoint(tmp_path, llama):
     module = LM(clone(llama))
-    trainer = make_trainer([ActivationCheckpointing()], max_steps=2, default_root_dir=tmp_path, enable_checkpointing=True)
+    trainer = make_trainer(
+        [ActivationCheckpointing()], max_steps=2, default_root_dir=tmp_path, enable_checkpointing=True
+    )
     trainer.fit(module, batches())
     ckpt = next(tmp_path.rglob("*.ckpt"))
     state = torch.load(ckpt, weights_only=False)
@@ -284,7 +290,7 @@ def test_layers_created_in_configure_model():
     assert_same_training(reference, module)
     assert module.backward_ops[MM] == 82
     assert "configure_model" not in module.__dict__
-    assert not any(getattr(layer, "gradient_checkpointing") for layer in module.model.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in module.model.model.layers)
 
 
 def test_no_layers_found_is_a_config_error():
@@ -323,8 +329,11 @@ def test_callbacks_from_config():
     (callback,) = callbacks_from_config({"reentrant": True, "kwargs": {"every_n_layers": 2}})
     assert isinstance(callback, ActivationCheckpointing)
     assert callback.config.use_reentrant and callback.config.every_n_layers == 2
-    for block in ({"offload": {"all": "cpu"}}, {"enabled": False, "offload": {"all": True}},
-                  {"offload": {"hidden_states": "cpu"}}):
+    for block in (
+        {"offload": {"all": "cpu"}},
+        {"enabled": False, "offload": {"all": True}},
+        {"offload": {"hidden_states": "cpu"}},
+    ):
         with pytest.raises(ConfigError, match="not available in this version"):
             callbacks_from_config(block)
     with pytest.raises(ConfigError, match="layer_offloading"):

@@ -72,7 +72,11 @@ def test_default_run_trains_and_writes_summary(tmp_path):
             {"selective": {"save": [], "save_modules": ["o_proj"]}},
             "2/2",
         ),
-        (["activation_checkpointing=full", "activation_checkpointing.selective=true"], {"selective": {"save": ["attention"]}}, "2/2"),
+        (
+            ["activation_checkpointing=full", "activation_checkpointing.selective=true"],
+            {"selective": {"save": ["attention"]}},
+            "2/2",
+        ),
     ],
 )
 def test_modes_apply(tmp_path, overrides, applied, checkpointed):
@@ -117,13 +121,25 @@ def test_modes_not_yet_available_fail_clearly(tmp_path, overrides, fragment):
     "overrides, fragments",
     [
         (["activation_checkpointing.offload.all=disk"], ["offload.all", "disk", "pending a fix"]),
-        (["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"], ["every_n_layers", ">= 1"]),
-        (["activation_checkpointing=off", "activation_checkpointing.reentrant=true"], ["enabled is false", "reentrant"]),
+        (
+            ["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"],
+            ["every_n_layers", ">= 1"],
+        ),
+        (
+            ["activation_checkpointing=off", "activation_checkpointing.reentrant=true"],
+            ["enabled is false", "reentrant"],
+        ),
         (["activation_checkpointing=full", "+activation_checkpointing.kwargs.use_cache=false"], ["use_cache"]),
         (["+gradient_checkpointing=offload_disk"], ["offload_disk", "pending a fix"]),
         (["activation_checkpointing=full", "+gradient_checkpointing=true"], ["next to activation_checkpointing"]),
-        (["activation_checkpointing=selective_attn", "activation_checkpointing.reentrant=true"], ["requires non-reentrant"]),
-        (["activation_checkpointing=selective_attn", "activation_checkpointing.selective.save_matmul_min_k=0"], ["save_matmul_min_k"]),
+        (
+            ["activation_checkpointing=selective_attn", "activation_checkpointing.reentrant=true"],
+            ["requires non-reentrant"],
+        ),
+        (
+            ["activation_checkpointing=selective_attn", "activation_checkpointing.selective.save_matmul_min_k=0"],
+            ["save_matmul_min_k"],
+        ),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_ac import ActivationCheckpointingConfig, ConfigError, OffloadConfig, Placement, SelectiveConfig, parse_config
+from lightning_ac import (
+    ActivationCheckpointingConfig,
+    ConfigError,
+    OffloadConfig,
+    Placement,
+    SelectiveConfig,
+    parse_config,
+)
 from lightning_ac.config import config_to_dict
 
 DEFAULT_SELECTIVE = SelectiveConfig(save=["attention"])
@@ -34,8 +41,15 @@ DEFAULT_SELECTIVE = SelectiveConfig(save=["attention"])
         ({"selective": {}}, ActivationCheckpointingConfig(selective=DEFAULT_SELECTIVE)),
         ({"selective": {"save": []}}, ActivationCheckpointingConfig(selective=SelectiveConfig(save=[]))),
         (
-            {"selective": {"save": ["attention", "aten::mm"], "save_modules": ["o_proj"], "save_matmul_min_k": 8192,
-                           "save_sliding_window": True, "recompute_layer_types": ["chunked_attention"]}},
+            {
+                "selective": {
+                    "save": ["attention", "aten::mm"],
+                    "save_modules": ["o_proj"],
+                    "save_matmul_min_k": 8192,
+                    "save_sliding_window": True,
+                    "recompute_layer_types": ["chunked_attention"],
+                }
+            },
             ActivationCheckpointingConfig(
                 selective=SelectiveConfig(["attention", "aten::mm"], ["o_proj"], 8192, True, ["chunked_attention"])
             ),
@@ -44,7 +58,10 @@ DEFAULT_SELECTIVE = SelectiveConfig(save=["attention"])
         ({"offload": {"all": True}}, ActivationCheckpointingConfig(offload=OffloadConfig(all=Placement.cpu))),
         ({"offload": {"all": False}}, ActivationCheckpointingConfig()),
         ({"offload": {"hidden_states": "none"}}, ActivationCheckpointingConfig()),
-        ({"offload": {"hidden_states": "CPU"}}, ActivationCheckpointingConfig(offload=OffloadConfig(hidden_states="cpu"))),
+        (
+            {"offload": {"hidden_states": "CPU"}},
+            ActivationCheckpointingConfig(offload=OffloadConfig(hidden_states="cpu")),
+        ),
         ({"offload": {}}, ActivationCheckpointingConfig()),
         (
             {"enabled": False, "offload": {"all": "cpu"}},

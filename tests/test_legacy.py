@@ -16,10 +16,19 @@ from lightning_ac import ConfigError, LegacyConfigWarning, migrate_legacy, parse
         ({"gradient_checkpointing": True}, True),
         ({"gradient_checkpointing": False}, False),
         ({"gradient_checkpointing": "offload"}, {"offload": {"all": "cpu"}}),
-        ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, {"reentrant": True}),
-        ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}, {"reentrant": False}),
         (
-            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"preserve_rng_state": False, "every_n_layers": 2}},
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+            {"reentrant": True},
+        ),
+        (
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+            {"reentrant": False},
+        ),
+        (
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"preserve_rng_state": False, "every_n_layers": 2},
+            },
             {"kwargs": {"preserve_rng_state": False, "every_n_layers": 2}},
         ),
         (
@@ -39,7 +48,10 @@ from lightning_ac import ConfigError, LegacyConfigWarning, migrate_legacy, parse
         ({"gradient_checkpointing": True, "activation_offloading": "legacy"}, {"offload": {"all": "cpu"}}),
         ({"activation_offloading": True}, {"enabled": False, "offload": {"all": "cpu"}}),
         ({"activation_offloading": "legacy"}, {"enabled": False, "offload": {"all": "cpu"}}),
-        ({"gradient_checkpointing": False, "activation_offloading": True}, {"enabled": False, "offload": {"all": "cpu"}}),
+        (
+            {"gradient_checkpointing": False, "activation_offloading": True},
+            {"enabled": False, "offload": {"all": "cpu"}},
+        ),
         (
             {"gradient_checkpointing": True, "activation_offloading": "hidden_states"},
             {"offload": {"hidden_states": "cpu"}},
@@ -48,8 +60,11 @@ from lightning_ac import ConfigError, LegacyConfigWarning, migrate_legacy, parse
         ({"fsdp_config": {"activation_checkpointing": False}}, False),
         (
             # The spec's worked example.
-            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-             "activation_offloading": "hidden_states"},
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": False},
+                "activation_offloading": "hidden_states",
+            },
             {"reentrant": False, "offload": {"hidden_states": "cpu"}},
         ),
     ],
@@ -62,7 +77,12 @@ def test_migration_rows(legacy, block):
     assert original == snapshot, "the input mapping must not be modified"
     assert migrated["activation_checkpointing"] == block
     assert migrated["learning_rate"] == 1e-4
-    for key in ("gradient_checkpointing", "gradient_checkpointing_kwargs", "selective_checkpointing", "activation_offloading"):
+    for key in (
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "selective_checkpointing",
+        "activation_offloading",
+    ):
         assert key not in migrated
     assert "activation_checkpointing" not in migrated.get("fsdp_config", {})
     parse_config(migrated["activation_checkpointing"])
@@ -73,8 +93,13 @@ def test_migration_rows(legacy, block):
 
 def test_warning_prints_the_replacement_block_as_yaml():
     with pytest.warns(LegacyConfigWarning) as record:
-        migrate_legacy({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-                        "activation_offloading": "hidden_states"})
+        migrate_legacy(
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": False},
+                "activation_offloading": "hidden_states",
+            }
+        )
     yaml_part = str(record[0].message).split("Replace them with:\n\n", 1)[1].split("\n\n")[0]
     assert OmegaConf.to_container(OmegaConf.create(yaml_part)) == {
         "activation_checkpointing": {"reentrant": False, "offload": {"hidden_states": "cpu"}}
@@ -107,8 +132,12 @@ def test_accepts_dictconfig():
 
 def test_torch_unknown_kwargs_dropped_with_warning_naming_them():
     with pytest.warns(LegacyConfigWarning) as record:
-        out = migrate_legacy({"gradient_checkpointing": True,
-                              "gradient_checkpointing_kwargs": {"use_reentrant": True, "bogus": 1, "use_cache": False}})
+        out = migrate_legacy(
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": True, "bogus": 1, "use_cache": False},
+            }
+        )
     assert out["activation_checkpointing"] == {"reentrant": True}
     message = str(record[0].message)
     assert "bogus" in message and "use_cache" in message and "dropped" in message
@@ -127,8 +156,14 @@ def test_kwargs_without_gradient_checkpointing_are_dropped_with_note():
         ({"activation_offloading": "disk"}, ["activation_offloading: disk", "pending a fix"]),
         ({"gradient_checkpointing": True, "activation_offloading": "disk"}, ["disk"]),
         ({"selective_checkpointing": True}, ["selective_checkpointing", "gradient_checkpointing: true"]),
-        ({"gradient_checkpointing": False, "selective_checkpointing": {"save": ["attention"]}}, ["selective_checkpointing"]),
-        ({"activation_offloading": "hidden_states"}, ["activation_offloading: hidden_states", "gradient_checkpointing"]),
+        (
+            {"gradient_checkpointing": False, "selective_checkpointing": {"save": ["attention"]}},
+            ["selective_checkpointing"],
+        ),
+        (
+            {"activation_offloading": "hidden_states"},
+            ["activation_offloading: hidden_states", "gradient_checkpointing"],
+        ),
         (
             {"gradient_checkpointing": True, "fsdp_config": {"activation_checkpointing": True}},
             ["cannot both be true", "implementation: fsdp"],
@@ -139,11 +174,19 @@ def test_kwargs_without_gradient_checkpointing_are_dropped_with_note():
         ({"activation_offloading": "gpu"}, ["activation_offloading", "'gpu'"]),
         (
             # offload.all (activation_offloading) together with offload.hidden_states (kwargs.offload)
-            {"gradient_checkpointing": True, "activation_offloading": True, "gradient_checkpointing_kwargs": {"offload": True}},
+            {
+                "gradient_checkpointing": True,
+                "activation_offloading": True,
+                "gradient_checkpointing_kwargs": {"offload": True},
+            },
             ["hidden_states: cpu cannot be combined with all: cpu"],
         ),
         (
-            {"gradient_checkpointing": True, "selective_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+            {
+                "gradient_checkpointing": True,
+                "selective_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": True},
+            },
             ["requires non-reentrant"],
         ),
     ],

@@ -7,9 +7,9 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from torch import nn
 
-from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from lightning_ac import (
     ActivationCheckpointing,
     ConfigError,
@@ -55,7 +55,11 @@ def llama_runs():
         ({"save": ["attention"]}, 24, 0),
         ({"save": ["attention", "aten::mm"]}, 0, 0),
         ({"save": [], "save_matmul_min_k": 1}, 0, 4),
-        ({"save": [], "save_matmul_min_k": 128}, 20, 4),  # only down_proj (K = intermediate 128) qualifies... and it is never replayed
+        (
+            {"save": [], "save_matmul_min_k": 128},
+            20,
+            4,
+        ),  # only down_proj (K = intermediate 128) qualifies... and it is never replayed
         ({"save": [], "save_matmul_min_k": 64}, 0, 4),  # every projection has K >= 64
         ({"save": [], "save_modules": ["o_proj"]}, 20, 4),  # exactly one replayed matmul fewer per layer
         ({"save": [], "save_modules": ["self_attn.o_proj"]}, 20, 4),
@@ -101,7 +105,10 @@ def test_sliding_window_layers_recompute_attention_by_default():
     assert run.backward_ops[SDPA] == 2, "the two sliding layers replay attention"
     saved = run_report(base, {"save": ["attention"]})
     assert {layer: "aten::_scaled_dot_product_flash_attention_for_cpu" in ops for layer, ops in saved.items()} == {
-        0: True, 1: True, 2: False, 3: False
+        0: True,
+        1: True,
+        2: False,
+        3: False,
     }
     run, _ = run_selective(base, {"save": ["attention"], "save_sliding_window": True})
     assert_same_grads(reference, run)
@@ -145,7 +152,9 @@ def test_peft_save_modules_resolves_to_base_layer():
     report = run_report(base, {"save": [], "save_modules": ["o_proj"]})
     assert all(ops == {"aten::mm": 1} for ops in report.values())
     # names are the base model's: PEFT's own prefix does not match
-    _, problems = run_selective(base, {"save": [], "save_modules": ["base_model.model.model.layers.0.self_attn.o_proj"]})
+    _, problems = run_selective(
+        base, {"save": [], "save_modules": ["base_model.model.model.layers.0.self_attn.o_proj"]}
+    )
     assert any("matched no module" in p for p in problems)
 
 
@@ -279,7 +288,7 @@ def test_compiled_layers_are_refused(llama):
     module = LM(llama)
     with pytest.raises(ConfigError, match=r"layers \[1\] are compiled.*eager"):
         make_trainer([ActivationCheckpointing(selective=True)]).fit(module, batches())
-    assert not any(getattr(layer, "gradient_checkpointing") for layer in llama.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in llama.model.layers)
 
 
 def test_apply_selective_checkpointing_on_transformers_checkpointing():
@@ -292,7 +301,9 @@ def test_apply_selective_checkpointing_on_transformers_checkpointing():
     run = fit(model)
     assert_same_grads(reference, run)
     assert run.backward_ops.get(SDPA, 0) == 0
-    assert handle.report() and all("aten::_scaled_dot_product_flash_attention_for_cpu" in v for v in handle.report().values())
+    assert handle.report() and all(
+        "aten::_scaled_dot_product_flash_attention_for_cpu" in v for v in handle.report().values()
+    )
     handle.remove()
     assert model.model.layers[0]._gradient_checkpointing_func is original
     again = fit(model)

@@ -11,7 +11,12 @@ from lightning_ac.config import ActivationCheckpointingConfig, ConfigError
 __all__ = ["enable_hf_checkpointing", "HF_ATTRIBUTES"]
 
 # Attributes transformers sets while enabling checkpointing; the plan's journal restores them.
-HF_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func", "_require_grads_hook", "_require_grads_hooks")
+HF_ATTRIBUTES = (
+    "gradient_checkpointing",
+    "_gradient_checkpointing_func",
+    "_require_grads_hook",
+    "_require_grads_hooks",
+)
 
 
 def enable_hf_checkpointing(

@@ -78,7 +78,9 @@ class _AppliedPolicy:
         return getattr(self.policy, name)
 
 
-def apply_selective_checkpointing(model: nn.Module, save: Sequence[str] = ("attention",), **rules: Any) -> _AppliedPolicy:
+def apply_selective_checkpointing(
+    model: nn.Module, save: Sequence[str] = ("attention",), **rules: Any
+) -> _AppliedPolicy:
     """Install a selective policy on a transformers model whose checkpointing is already enabled.
 
     Use this where checkpointing is turned on by someone else (``model.activation_checkpointing_enable()``
@@ -117,5 +119,7 @@ def apply_selective_checkpointing(model: nn.Module, save: Sequence[str] = ("atte
     policy = build_policy(config, model, layers)
     policy.install()
     for layer in checkpointed:
-        layer._gradient_checkpointing_func = functools.partial(layer._gradient_checkpointing_func, context_fn=policy.context_fn)
+        layer._gradient_checkpointing_func = functools.partial(
+            layer._gradient_checkpointing_func, context_fn=policy.context_fn
+        )
     return _AppliedPolicy(policy, checkpointed, originals)

@@ -85,7 +85,7 @@ def _is_skipped(name: str) -> bool:
 
 
 class _ForwardMode(TorchDispatchMode):
-    def __init__(self, policy: "SelectivePolicy", region: _Region) -> None:
+    def __init__(self, policy: SelectivePolicy, region: _Region) -> None:
         super().__init__()
         self.policy, self.region = policy, region
 
@@ -276,10 +276,14 @@ class SelectivePolicy:
         cfg = self.config
         attention = is_attention(name)
         for entry, rule in self.save_rules.items():
-            if (attention and entry == "attention") or (entry != "attention" and entry in name and "backward" not in name):
+            if (attention and entry == "attention") or (
+                entry != "attention" and entry in name and "backward" not in name
+            ):
                 rule.matched_ops += 1
-                if attention and not cfg.save_sliding_window and (
-                    region.layer_type in cfg.recompute_layer_types or sliding_window_of(func, args, kwargs)
+                if (
+                    attention
+                    and not cfg.save_sliding_window
+                    and (region.layer_type in cfg.recompute_layer_types or sliding_window_of(func, args, kwargs))
                 ):
                     return None  # sliding-window attention: cheap to recompute, not worth the memory
                 return rule
@@ -302,7 +306,9 @@ class SelectivePolicy:
     def context_fn(self) -> Tuple[Any, Any]:
         """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
         layer = self._current_layer
-        region = _Region(layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None)
+        region = _Region(
+            layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None
+        )
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             rule = self.decide(region, func, args, kwargs)
@@ -362,7 +368,8 @@ class SelectivePolicy:
                 found.append(
                     f"selective.save_modules entry {entry!r} saved {rule.saved} matmul outputs that no recompute "
                     "replayed: recompute stops at the last tensor backward needs (a layer's final projection, like "
-                    "down_proj, is never replayed), so this costs memory for nothing. Prefer o_proj, gate_proj or up_proj."
+                    "down_proj, is never replayed), so this costs memory for nothing. "
+                    "Prefer o_proj, gate_proj or up_proj."
                 )
         threshold = self.threshold_rule
         if threshold is not None and threshold.saved == 0:
