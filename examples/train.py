@@ -31,7 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
 
-from lightning_ac import ActivationCheckpointingConfig, ConfigError, callbacks_from_config, migrate_legacy  # noqa: E402
+from lightning_ac import (  # noqa: E402
+    ActivationCheckpointingConfig,
+    ActivationOffload,
+    ConfigError,
+    callbacks_from_config,
+    migrate_legacy,
+)
 from lightning_ac.config import config_to_dict, parse_config  # noqa: E402
 from lightning_ac.legacy import LEGACY_KEYS  # noqa: E402
 from lightning_ac.memory import StepMetrics  # noqa: E402
@@ -71,7 +77,11 @@ def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
 def run(cfg: DictConfig) -> Dict[str, Any]:
     data = resolve_block(cfg)
     block = parse_config(data.get("activation_checkpointing"))
-    callbacks = callbacks_from_config(block, layer_offloading=data.get("layer_offloading", False))
+    callbacks = callbacks_from_config(
+        block,
+        layer_offloading=data.get("layer_offloading", False),
+        copy_on_host=data.get("offload_copy_on_host", False),
+    )
 
     pl.seed_everything(cfg.seed, workers=True)
     model = build_model(cfg.model, cfg.lora)
@@ -93,6 +103,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         "model": HydraConfig.get().runtime.choices.get("model"),
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
+        "offload": next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None),
         "steps": trainer.global_step,
         "first_loss": metrics.losses[0] if metrics.losses else None,
         "final_loss": metrics.losses[-1] if metrics.losses else None,

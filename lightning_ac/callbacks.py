@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ac.config import ConfigError, OffloadConfig, Placement, config_to_dict, parse_config, parse_placement
 from lightning_ac.layers import LayerSpec
+from lightning_ac.offload.runtime import TARGETS
 from lightning_ac.plan import Plan
 
 __all__ = ["ActivationCheckpointing", "ActivationOffload", "LayerOffload", "SuiteCallback", "callbacks_from_config"]
@@ -30,7 +31,7 @@ class SuiteCallback(Callback):
         return self._plan
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._plan is not None and self._plan.module is pl_module and (self._plan.applied or self._plan._deferred):
+        if self._plan is not None and self._plan.module is pl_module:
             return  # another suite callback applied the shared plan already
         plan = Plan.gather(trainer)
         for cb in plan.callbacks:
@@ -133,29 +134,108 @@ class ActivationCheckpointing(SuiteCallback):
 class ActivationOffload(SuiteCallback):
     """Move saved activations to host memory until backward needs them.
 
-    Not available in this version yet: constructing it with any target raises :class:`ConfigError`, so a
-    config that asks for offloading never trains silently without it.
+    Targets (each ``"none"`` or ``"cpu"``; ``True``/``False`` mean cpu/none):
+
+    - ``hidden_states``: each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`.
+    - ``selective``: what the selective checkpointing policy saves. Needs ``ActivationCheckpointing(selective=...)``.
+    - ``all``: every activation saved in the training forward (with recompute: what is saved outside the
+      layers plus each layer's input). Cannot be combined with ``hidden_states``.
+
+    On an accelerator, copies run on side streams with pinned host buffers and are prefetched in backward.
+    On a CPU-only trainer there is nothing to gain: the callback logs once and does nothing, unless
+    ``copy_on_host=True`` forces the full pack/unpack path (copies into separate host buffers).
+
+    Args:
+        hidden_states: Placement of each checkpointed layer's input.
+        selective: Placement of what the selective policy saves.
+        all: Placement of every saved activation.
+        copy_on_host: On a CPU device, still run the copies (tests, debugging).
+        min_offload_bytes: ``all`` leaves smaller tensors on the device (copying them costs more than it saves).
+        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
+        host_reserve_bytes: Host memory left free; offloading past ``MemAvailable`` minus this raises
+            :class:`~lightning_ac.offload.HostMemoryError` instead of an OOM kill.
+
+    Attributes:
+        last_step: ``{"hidden_states": {"tensors": n, "bytes": n}, "selective": {...}, "all": {...}}`` for the
+            most recent training step. The same figures are logged as ``lightning_ac/offload_bytes`` and
+            ``lightning_ac/offload_<target>_bytes``.
     """
 
     def __init__(
-        self, *, hidden_states: Any = "none", selective: Any = "none", all: Any = "none", copy_on_host: bool = False
+        self,
+        *,
+        hidden_states: Any = "none",
+        selective: Any = "none",
+        all: Any = "none",
+        copy_on_host: bool = False,
+        min_offload_bytes: int = 2**16,
+        max_pinned_bytes: int = 8 * 2**30,
+        host_reserve_bytes: int = 2 * 2**30,
     ) -> None:
         self.offload = OffloadConfig(
             hidden_states=parse_placement(hidden_states, "ActivationOffload(hidden_states=...)"),
             selective=parse_placement(selective, "ActivationOffload(selective=...)"),
             all=parse_placement(all, "ActivationOffload(all=...)"),
         )
-        offload = self.offload
+        if self.offload.hidden_states != Placement.none and self.offload.all != Placement.none:
+            raise ConfigError(
+                "ActivationOffload: hidden_states='cpu' cannot be combined with all='cpu', which already offloads "
+                "each layer's input. Keep one of them."
+            )
+        for name, value in (("min_offload_bytes", min_offload_bytes), ("max_pinned_bytes", max_pinned_bytes),
+                            ("host_reserve_bytes", host_reserve_bytes)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"ActivationOffload({name}=...): expected an integer >= 0, got {value!r}.")
+        if not isinstance(copy_on_host, bool):
+            raise ConfigError(f"ActivationOffload(copy_on_host=...): expected True or False, got {copy_on_host!r}.")
         self.copy_on_host = copy_on_host
-        requested = [t for t in ("hidden_states", "selective", "all") if getattr(offload, t) != Placement.none]
-        raise ConfigError(
-            f"activation_checkpointing.offload: {', '.join(f'{t}: cpu' for t in requested) or 'offloading'} is not "
-            "available in this version of lightning_ac yet. Remove the offload targets, or use "
-            "activation_checkpointing: true to recompute layers instead."
-        )
+        self.min_offload_bytes = min_offload_bytes
+        self.max_pinned_bytes = max_pinned_bytes
+        self.host_reserve_bytes = host_reserve_bytes
+        self.last_step: Dict[str, Dict[str, int]] = {t: {"tensors": 0, "bytes": 0} for t in TARGETS}
 
-    def block(self) -> Dict[str, Any]:  # pragma: no cover - unreachable until offloading lands
-        return {"offload": {t: str(getattr(self.offload, t)) for t in ("hidden_states", "selective", "all")}}
+    @property
+    def targets(self) -> List[str]:
+        """The targets that move to the host."""
+        return [t for t in TARGETS if getattr(self.offload, t) != Placement.none]
+
+    def needs_checkpointing(self) -> Optional[str]:
+        """A description of this callback if it cannot work without ActivationCheckpointing, else ``None``."""
+        needs = [t for t in ("hidden_states", "selective") if getattr(self.offload, t) != Placement.none]
+        return f"ActivationOffload({', '.join(f'{t}={chr(39)}cpu{chr(39)}' for t in needs)})" if needs else None
+
+    def runtime_kwargs(self) -> Dict[str, Any]:
+        return {
+            "copy_on_host": self.copy_on_host,
+            "min_offload_bytes": self.min_offload_bytes,
+            "max_pinned_bytes": self.max_pinned_bytes,
+            "host_reserve_bytes": self.host_reserve_bytes,
+        }
+
+    def block(self) -> Dict[str, Any]:
+        return {"offload": {t: str(getattr(self.offload, t)) for t in TARGETS}}
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._plan is not None and self._plan.offload is not None:
+            self._plan.offload.start_step()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        runtime = self._plan.offload if self._plan is not None else None
+        if runtime is None:
+            return
+        runtime.finish_step()
+        self.last_step = runtime.last_step
+        total = sum(v["bytes"] for v in self.last_step.values())
+        pl_module.log("lightning_ac/offload_bytes", float(total), on_step=True, on_epoch=False, batch_size=1)
+        for target in runtime.targets:
+            pl_module.log(
+                f"lightning_ac/offload_{target}_bytes", float(self.last_step[target]["bytes"]),
+                on_step=True, on_epoch=False, batch_size=1,
+            )  # fmt: skip
 
 
 class LayerOffload(SuiteCallback):
@@ -173,12 +253,13 @@ class LayerOffload(SuiteCallback):
         return {}
 
 
-def callbacks_from_config(block: Any, *, layer_offloading: bool = False) -> List[Callback]:
+def callbacks_from_config(block: Any, *, layer_offloading: bool = False, copy_on_host: bool = False) -> List[Callback]:
     """Build the suite callbacks an ``activation_checkpointing`` block asks for.
 
     Args:
         block: The block in any form :func:`~lightning_ac.parse_config` accepts.
         layer_offloading: The separate ``layer_offloading`` key.
+        copy_on_host: Passed to :class:`ActivationOffload`: run the offload copies on a CPU-only trainer too.
 
     Returns:
         The callbacks to pass to ``Trainer(callbacks=...)``; empty when everything is off.
@@ -201,7 +282,11 @@ def callbacks_from_config(block: Any, *, layer_offloading: bool = False) -> List
         )
     off = cfg.offload
     if any(getattr(off, t) != Placement.none for t in ("hidden_states", "selective", "all")):
-        callbacks.append(ActivationOffload(hidden_states=off.hidden_states, selective=off.selective, all=off.all))
+        callbacks.append(
+            ActivationOffload(
+                hidden_states=off.hidden_states, selective=off.selective, all=off.all, copy_on_host=copy_on_host
+            )
+        )
     if layer_offloading:
         callbacks.append(LayerOffload())
     return callbacks

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_ac._logging import rank_zero_log
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
@@ -19,6 +21,8 @@ from lightning_ac.checkpoint.torch_layers import TORCH_ATTRIBUTES
 from lightning_ac.config import ActivationCheckpointingConfig, ConfigError, parse_config
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import DecoderLayers, find_decoder_layers
+from lightning_ac.offload.runtime import OffloadRuntime
+from lightning_ac.offload.targets import offloading_checkpoint
 from lightning_ac.selective.apply import build_policy
 from lightning_ac.selective.policy import SelectivePolicy
 
@@ -51,6 +55,8 @@ class Plan:
     layers: Optional[DecoderLayers] = None
     checkpointed: List[bool] = field(default_factory=list)
     selective: Optional[SelectivePolicy] = None
+    offload: Optional[OffloadRuntime] = None
+    device: Optional[torch.device] = None
     _journal: Optional[ModuleJournal] = None
     _deferred: bool = False
 
@@ -72,6 +78,14 @@ class Plan:
         checkpointing = next((cb for cb in callbacks if isinstance(cb, ActivationCheckpointing)), None)
         if checkpointing is None:
             block["enabled"] = False
+            needs = [cb.needs_checkpointing() for cb in callbacks if hasattr(cb, "needs_checkpointing")]
+            needs = [n for n in needs if n]
+            if needs:
+                raise ConfigError(
+                    f"{needs[0]} acts on checkpointed decoder layers, but the Trainer has no ActivationCheckpointing. "
+                    "Add ActivationCheckpointing() to the callbacks, or use ActivationOffload(all='cpu') to offload "
+                    "without recompute."
+                )
         else:
             block.update(checkpointing.block())
         for cb in callbacks:
@@ -103,7 +117,10 @@ class Plan:
             return
         self.check_strategy(trainer)
         self.module = module
+        self.device = trainer.strategy.root_device
         if not self.config.enabled:
+            if self._offload_wanted():
+                self._apply_to(find_decoder_layers(module))
             return
         layers = self._find_layers(module)
         if len(layers):
@@ -143,6 +160,30 @@ class Plan:
         module.configure_model = configure_model_then_apply  # type: ignore[method-assign]
         self._deferred = True
 
+    def _offload_wanted(self) -> bool:
+        """Whether any offload target is set and can do something on this device."""
+        from lightning_ac.callbacks import ActivationOffload
+
+        offload = next((cb for cb in self.callbacks if isinstance(cb, ActivationOffload)), None)
+        if offload is None or not offload.targets:
+            return False
+        if self.device is not None and self.device.type == "cpu" and not offload.copy_on_host:
+            rank_zero_log(
+                "lightning_ac: activation offloading does nothing on a CPU-only trainer (the activations already "
+                "live in host memory); ActivationOffload(copy_on_host=True) forces the copies, for tests and debugging"
+            )
+            return False
+        return True
+
+    def _build_offload(self) -> OffloadRuntime:
+        from lightning_ac.callbacks import ActivationOffload
+
+        offload = next(cb for cb in self.callbacks if isinstance(cb, ActivationOffload))
+        assert self.module is not None and self.device is not None
+        runtime = OffloadRuntime(self.config.offload, self.device, **offload.runtime_kwargs())
+        runtime.skip_module_tensors(self.module)
+        return runtime
+
     def _apply_to(self, layers: DecoderLayers) -> None:
         assert self.module is not None
         cfg = self.config
@@ -150,25 +191,51 @@ class Plan:
         self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES)
         modules = [m for _, m in layers.layers]
         try:
+            if self._offload_wanted():
+                self.offload = self._build_offload()
+            if self.offload is not None and self.offload.all is not None:
+                for model in layers.hf_models:
+                    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+                    if head is not None:  # the output head's activations stay on the device
+                        self.offload.handles.extend(self.offload.all.pause_in(head))
+            if not cfg.enabled:
+                rank_zero_log(f"lightning_ac: {self.describe_offload()}, nothing recomputed")
+                return
             context_fn = None
             if cfg.selective is not None:
                 will_checkpoint = [i % cfg.every_n_layers == 0 for i in range(len(modules))]
-                self.selective = build_policy(cfg.selective, self.module, layers, will_checkpoint)
+                storage = self.offload.sac_storage if self.offload is not None else None
+                self.selective = build_policy(cfg.selective, self.module, layers, will_checkpoint, storage)
                 self.selective.install()
                 context_fn = self.selective.context_fn
+            hidden = self.offload.hidden_states if self.offload is not None else None
             if layers.hf_models:
                 engine = "hf"
                 self.checkpointed = enable_hf_checkpointing(layers.hf_models, modules, cfg, context_fn)
+                if hidden is not None:
+                    for layer, on in zip(modules, self.checkpointed):
+                        if on:
+                            layer._gradient_checkpointing_func = offloading_checkpoint(
+                                layer._gradient_checkpointing_func, hidden
+                            )
             else:
                 engine = "torch"
-                self.checkpointed = wrap_layers(modules, cfg, context_fn)
+                checkpoint_fn = offloading_checkpoint(checkpoint, hidden) if hidden is not None else checkpoint
+                self.checkpointed = wrap_layers(modules, cfg, context_fn, checkpoint_fn)
         except BaseException:
             self.remove()
             raise
+        offloaded = f"; {self.describe_offload()}" if self.offload is not None else ""
         rank_zero_log(
             f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers "
-            f"({self.describe(engine)})"
+            f"({self.describe(engine)}){offloaded}"
         )
+
+    def describe_offload(self) -> str:
+        """Which targets move to the host, as the log line shows them."""
+        assert self.offload is not None
+        where = "copies on host" if self.device is not None and self.device.type == "cpu" else str(self.device)
+        return f"offloading {', '.join(self.offload.targets)} to host memory ({where})"
 
     def describe(self, engine: str) -> str:
         """The engine and options in force, as the log line shows them."""
@@ -188,6 +255,9 @@ class Plan:
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.selective is not None:
             self.selective.remove()
             self.selective = None

@@ -10,7 +10,7 @@ import torch
 from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from torch import nn
 
-from lightning_ac import ActivationCheckpointing, ConfigError, callbacks_from_config
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, callbacks_from_config
 
 MM = "aten.mm"
 ADDMM = "aten.addmm"
@@ -329,13 +329,11 @@ def test_callbacks_from_config():
     (callback,) = callbacks_from_config({"reentrant": True, "kwargs": {"every_n_layers": 2}})
     assert isinstance(callback, ActivationCheckpointing)
     assert callback.config.use_reentrant and callback.config.every_n_layers == 2
-    for block in (
-        {"offload": {"all": "cpu"}},
-        {"enabled": False, "offload": {"all": True}},
-        {"offload": {"hidden_states": "cpu"}},
-    ):
-        with pytest.raises(ConfigError, match="not available in this version"):
-            callbacks_from_config(block)
+    checkpointing, offload = callbacks_from_config({"offload": {"hidden_states": "cpu"}}, copy_on_host=True)
+    assert isinstance(offload, ActivationOffload) and offload.copy_on_host
+    assert offload.targets == ["hidden_states"]
+    (offload,) = callbacks_from_config({"enabled": False, "offload": {"all": True}})
+    assert isinstance(offload, ActivationOffload) and offload.targets == ["all"]
     with pytest.raises(ConfigError, match="layer_offloading"):
         callbacks_from_config(True, layer_offloading=True)
     with pytest.raises(ConfigError, match="layer_offloading"):

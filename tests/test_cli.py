@@ -99,20 +99,34 @@ def test_full_matches_off_loss_and_saves_memory(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "overrides, fragment",
+    "overrides, targets",
     [
-        (["activation_checkpointing=offload_all"], "all: cpu is not available"),
-        (["activation_checkpointing=offload_only"], "all: cpu is not available"),
-        (["activation_checkpointing=offload_hidden"], "hidden_states: cpu is not available"),
-        (["activation_checkpointing=offload_hidden_selective"], "not available"),
-        (["activation_checkpointing=full", "activation_checkpointing/offload=hidden_states"], "hidden_states: cpu"),
-        (["activation_checkpointing=full", "layer_offloading=true"], "layer_offloading: true is not available"),
+        (["activation_checkpointing=offload_all"], {"all": True}),
+        (["activation_checkpointing=offload_only"], {"all": True}),
+        (["activation_checkpointing=offload_hidden"], {"hidden_states": True}),
+        (["activation_checkpointing=offload_hidden_selective"], {"hidden_states": True, "selective": True}),
+        (["activation_checkpointing=full", "activation_checkpointing/offload=hidden_states"], {"hidden_states": True}),
     ],
 )
-def test_modes_not_yet_available_fail_clearly(tmp_path, overrides, fragment):
-    result = train(tmp_path, *overrides)
+def test_offload_modes(tmp_path, overrides, targets):
+    # On a CPU-only trainer offloading is skipped, and says so...
+    result = ok(train(tmp_path / "skip", *overrides))
+    assert "activation offloading does nothing on a CPU-only trainer" in result.stdout + result.stderr
+    assert summary(tmp_path / "skip")["offload"] == {
+        t: {"tensors": 0, "bytes": 0} for t in ("hidden_states", "selective", "all")
+    }
+    # ...unless the copies are forced, which must not change training.
+    ok(train(tmp_path / "copy", *overrides, "offload_copy_on_host=true"))
+    copied, skipped = summary(tmp_path / "copy"), summary(tmp_path / "skip")
+    assert copied["final_loss"] == skipped["final_loss"]
+    for target in ("hidden_states", "selective", "all"):
+        assert (copied["offload"][target]["bytes"] > 0) == targets.get(target, False), target
+
+
+def test_layer_offloading_not_yet_available(tmp_path):
+    result = train(tmp_path, "activation_checkpointing=full", "layer_offloading=true")
     assert result.returncode == 2
-    assert fragment in result.stderr
+    assert "layer_offloading: true is not available" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import clone, fit, tiny_model
+
 from lightning_ac import ActivationCheckpointing
 from lightning_ac.memory import StepMetrics
 

@@ -24,7 +24,7 @@ _CACHE_FLAGS = ("use_cache",)
 
 
 def _checkpointed_forward(
-    layer: nn.Module, forward: Callable[..., Any], checkpoint_kwargs: Dict[str, Any]
+    layer: nn.Module, forward: Callable[..., Any], checkpoint_kwargs: Dict[str, Any], checkpoint_fn: Callable[..., Any]
 ) -> Callable[..., Any]:
     reentrant = checkpoint_kwargs.get("use_reentrant", False)
 
@@ -44,7 +44,7 @@ def _checkpointed_forward(
                 else a
                 for a in args
             )
-        return checkpoint(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
+        return checkpoint_fn(functools.partial(forward, **kwargs), *args, **checkpoint_kwargs)
 
     return forward_with_checkpointing
 
@@ -53,8 +53,10 @@ def wrap_layers(
     layers: List[nn.Module],
     config: ActivationCheckpointingConfig,
     context_fn: Optional[Callable[[], Any]] = None,
+    checkpoint_fn: Callable[..., Any] = checkpoint,
 ) -> List[bool]:
-    """Checkpoint every ``every_n_layers``-th layer with ``torch.utils.checkpoint``.
+    """Checkpoint every ``every_n_layers``-th layer with ``torch.utils.checkpoint`` (or ``checkpoint_fn``, a
+    wrapper of it, e.g. one that offloads the layer's inputs).
 
     Returns:
         For each layer, whether it is checkpointed.
@@ -66,6 +68,6 @@ def wrap_layers(
     for index, layer in enumerate(layers):
         wrap = index % config.every_n_layers == 0
         if wrap:
-            layer.forward = _checkpointed_forward(layer, layer.forward, kwargs)  # type: ignore[method-assign]
+            layer.forward = _checkpointed_forward(layer, layer.forward, kwargs, checkpoint_fn)  # type: ignore[method-assign]
         applied.append(wrap)
     return applied

@@ -1,0 +1,293 @@
+"""The transfer engine shared by the three offload targets: device -> host in forward, back in backward.
+
+On an accelerator, copies to the host run on a side stream ordered by events, so the compute stream never
+waits for a copy it does not need; device tensors stay referenced in a bounded stash until their copy has
+finished (so the allocator cannot reuse their memory early); host buffers come from a reusable pinned pool;
+backward prefetches the next tensors on a second stream; and :meth:`TransferEngine.finish_step` leaves
+nothing in flight. The current stream is looked up at each use, since FSDP2 and recompute switch streams.
+
+On a CPU device there is nothing to gain, so offloading is off unless ``copy_on_host`` forces the full
+pack/unpack path (copies into separate host buffers), which runs the same bookkeeping synchronously: that
+is how the logic is tested without an accelerator.
+
+A tensor is moved exactly: the bytes of its storage that it can read (its extent) are copied, and the same
+size, stride and offset are rebuilt on the way back, so views, offsets, permutations and broadcast (stride-0)
+tensors come back as they were, without materialising a broadcast. Saves that share bytes move once a step.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
+
+__all__ = ["OffloadStats", "Packed", "TransferEngine"]
+
+
+@dataclass
+class OffloadStats:
+    """What one target moved to the host during a step."""
+
+    tensors: int = 0
+    bytes: int = 0
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"tensors": self.tensors, "bytes": self.bytes}
+
+
+@dataclass(eq=False)
+class _HostCopy:
+    """A host copy of the byte range ``[start, start + nbytes)`` of one device storage."""
+
+    host: torch.Tensor
+    storage: Any  # a weak reference to the device storage: a freed storage's address can be reused
+    start: int
+    nbytes: int
+    event: Any = None  # accelerator event: the device -> host copy finished
+    device_data: Optional[torch.Tensor] = None  # reloaded bytes, shared by every save of this copy
+    reload_event: Any = None
+    pending_unpacks: int = 0
+
+    def covers(self, start: int, end: int, element_size: int) -> bool:
+        if self.storage.expired():
+            return False  # the storage it copied is gone; a new one now lives at that address
+        return self.start <= start and end <= self.start + self.nbytes and (start - self.start) % element_size == 0
+
+
+@dataclass(eq=False)
+class Packed:
+    """What a saved-tensor hook keeps in place of a device tensor."""
+
+    copy: _HostCopy
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int  # in elements, from the start of the copied byte range
+    dtype: torch.dtype
+
+
+def _byte_extent(tensor: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage a tensor can read: exact for views, offsets, permutations and stride 0."""
+    size = tensor.element_size()
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()) if n > 0)
+    start = tensor.storage_offset() * size
+    return start, start + (last + 1) * size
+
+
+class _Streams:
+    """Side streams and events on an accelerator (device-agnostic through ``torch.get_device_module``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.module = torch.get_device_module(device.type)
+        self.device = device
+        self.d2h = self.module.Stream(device=device)
+        self.h2d = self.module.Stream(device=device)
+
+    def current(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def stream(self, stream: Any) -> Any:
+        return self.module.stream(stream)
+
+    def synchronize(self) -> None:
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+
+
+class TransferEngine:
+    """Moves saved activations between a device and host memory.
+
+    Args:
+        device: The training device.
+        copy_on_host: On a CPU device, still copy into separate host buffers (tests, debugging).
+        max_pinned_bytes: Upper bound of the reusable pinned-buffer pool; larger needs use pageable memory.
+        stash_size: How many device tensors may wait for their copy to the host before forward blocks.
+        prefetch: How many saves ahead backward brings back.
+        host_reserve_bytes: Host memory left free: offloading past ``MemAvailable - reserve`` raises
+            :class:`HostMemoryError` instead of letting the OOM killer end the run.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        copy_on_host: bool = False,
+        max_pinned_bytes: int = 8 * 2**30,
+        stash_size: int = 4,
+        prefetch: int = 1,
+        host_reserve_bytes: int = 2 * 2**30,
+    ) -> None:
+        self.device = torch.device(device)
+        self.on_accelerator = self.device.type != "cpu"
+        self.enabled = self.on_accelerator or copy_on_host
+        self.max_pinned_bytes = max_pinned_bytes
+        self.stash_size = stash_size
+        self.prefetch = prefetch
+        self.host_reserve_bytes = host_reserve_bytes
+        self.stats: Dict[str, OffloadStats] = collections.defaultdict(OffloadStats)
+        self.last_step: Dict[str, Dict[str, int]] = {}
+        self.skip_storages: Set[int] = set()
+        self._streams: Optional[_Streams] = None
+        self._copies: Dict[int, List[_HostCopy]] = {}  # storage data_ptr -> host copies, this step
+        self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
+        self._stash: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        self._pool: Dict[int, List[torch.Tensor]] = collections.defaultdict(list)
+        self._pinned_bytes = 0
+        self._host_limit: Optional[int] = None
+        self._bytes_this_step = 0
+
+    # -- step lifecycle -----------------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Reset per-step bookkeeping; read host memory once."""
+        self.stats = collections.defaultdict(OffloadStats)
+        self._bytes_this_step = 0
+        if self._host_limit is None:
+            available = available_host_bytes()
+            self._host_limit = None if available is None else max(0, available - self.host_reserve_bytes)
+
+    def finish_step(self) -> None:
+        """Wait for every copy in flight, return host buffers to the pool and record ``last_step``."""
+        if self._streams is not None:
+            self._streams.synchronize()
+        self._stash.clear()
+        for copies in self._copies.values():
+            for copy in copies:
+                self._release(copy)
+        self._copies.clear()
+        self._packed.clear()
+        self.last_step = {name: s.as_dict() for name, s in self.stats.items()}
+
+    # -- pack / unpack ------------------------------------------------------------------------------------
+
+    def should_skip(self, tensor: torch.Tensor, min_bytes: int = 0) -> bool:
+        """Parameters, buffers (and their views), host tensors and tensors below ``min_bytes`` stay put."""
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+            return True
+        local = tensor.to_local() if hasattr(tensor, "to_local") and type(tensor).__name__ == "DTensor" else tensor
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(local, torch.nn.Parameter):
+            return True
+        if local.device != self.device or local.numel() * local.element_size() < min_bytes:
+            return True
+        return local.untyped_storage().data_ptr() in self.skip_storages
+
+    def pack(self, tensor: torch.Tensor, target: str) -> Packed:
+        """Start moving ``tensor`` to the host; returns what backward will unpack.
+
+        A save whose bytes an earlier copy of this step already holds (a second view of one storage, the
+        same tensor saved twice) reuses that copy: it moves once.
+        """
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        start, end = _byte_extent(tensor)
+        copies = self._copies.setdefault(key, [])
+        copy = next((c for c in copies if c.covers(start, end, tensor.element_size())), None)
+        if copy is None:
+            copy = self._copy_to_host(tensor, StorageWeakRef(storage), start, end - start, target)
+            copies.append(copy)
+        copy.pending_unpacks += 1
+        packed = Packed(
+            copy,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            (start - copy.start) // tensor.element_size(),
+            tensor.dtype,
+        )
+        self._packed.append(packed)
+        return packed
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Bring a packed tensor back to the device, prefetching the saves backward needs next."""
+        index = next((i for i in range(len(self._packed) - 1, -1, -1) if self._packed[i] is packed), None)
+        data = self._reload(packed.copy)
+        if index is not None and self.prefetch:
+            for ahead in self._packed[max(0, index - self.prefetch) : index]:
+                self._reload(ahead.copy)
+        if self._streams is not None and packed.copy.reload_event is not None:
+            self._streams.current().wait_event(packed.copy.reload_event)
+        out = torch.empty(0, dtype=packed.dtype, device=data.device)
+        out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
+        packed.copy.pending_unpacks -= 1
+        if packed.copy.pending_unpacks <= 0:
+            packed.copy.device_data = None  # the last save that needs it holds it now
+        return out
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        pool = self._pool.get(nbytes)
+        if pool:
+            return pool.pop()
+        pin = self.on_accelerator and self._pinned_bytes + nbytes <= self.max_pinned_bytes
+        if pin:
+            self._pinned_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+
+    def _release(self, copy: _HostCopy) -> None:
+        host = copy.host
+        if host.is_pinned():
+            self._pool[host.numel()].append(host)
+
+    def _check_host_memory(self, nbytes: int) -> None:
+        self._bytes_this_step += nbytes
+        if self._host_limit is not None and self._bytes_this_step > self._host_limit:
+            raise HostMemoryError(
+                f"activation offloading needs more than {self._bytes_this_step / 2**30:.1f} GiB of host memory this "
+                f"step, but only {self._host_limit / 2**30:.1f} GiB are available (MemAvailable minus a "
+                f"{self.host_reserve_bytes / 2**30:.1f} GiB reserve). Offload less (offload.hidden_states instead of "
+                "offload.all), lower the batch size or sequence length, or add host memory."
+            )
+
+    def _copy_to_host(self, tensor: torch.Tensor, storage: Any, start: int, nbytes: int, target: str) -> _HostCopy:
+        self._check_host_memory(nbytes)
+        source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        source.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
+        host = self._host_buffer(nbytes)
+        stats = self.stats[target]
+        stats.tensors += 1
+        stats.bytes += nbytes
+        copy = _HostCopy(host=host, storage=storage, start=start, nbytes=nbytes)
+        if not self.on_accelerator:
+            host.copy_(source)
+            return copy
+        streams = self._ensure_streams()
+        streams.d2h.wait_stream(streams.current())
+        with streams.stream(streams.d2h):
+            host.copy_(source, non_blocking=True)
+            copy.event = streams.d2h.record_event()
+        # keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them
+        self._stash.append((copy.event, source))
+        self._trim_stash()
+        return copy
+
+    def _trim_stash(self) -> None:
+        while self._stash and self._stash[0][0].query():
+            self._stash.popleft()
+        while len(self._stash) > self.stash_size:
+            event, _ = self._stash.popleft()
+            event.synchronize()  # the host waits, never the compute stream
+
+    def _ensure_streams(self) -> _Streams:
+        if self._streams is None:
+            self._streams = _Streams(self.device)
+        return self._streams
+
+    def _reload(self, copy: _HostCopy) -> torch.Tensor:
+        if copy.device_data is not None:
+            return copy.device_data
+        if not self.on_accelerator:
+            copy.device_data = copy.host.clone()
+            return copy.device_data
+        streams = self._ensure_streams()
+        with streams.stream(streams.h2d):
+            if copy.event is not None:
+                streams.h2d.wait_event(copy.event)
+            data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
+            data.copy_(copy.host, non_blocking=True)
+            copy.reload_event = streams.h2d.record_event()
+        data.record_stream(streams.current())
+        copy.device_data = data
+        return data

@@ -1,0 +1,198 @@
+"""The three offload targets, built on one :class:`~lightning_ac.offload.engine.TransferEngine`.
+
+- ``hidden_states``: an outer saved-tensor hook around each checkpointed layer's checkpoint call. Both
+  non-reentrant and reentrant checkpoint save exactly the layer's inputs under it (their inner saves go to
+  checkpoint's own storage), so only layer inputs move. No torch function is patched.
+- ``all``: a saved-tensor hook over the whole training step; parameters, buffers, small tensors and the output
+  head's activations stay on the device.
+- ``selective``: a storage for torch's selective-checkpoint modes whose entries live on the host; SAC-saved
+  tensors bypass saved-tensor hooks, so this is the only way to move them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from lightning_ac.offload.engine import Packed, TransferEngine
+
+__all__ = ["SavedTensorOffloader", "offloading_checkpoint", "offloading_sac_storage"]
+
+
+class SavedTensorOffloader:
+    """Saved-tensor hooks that move what autograd saves to the host through ``engine``.
+
+    Args:
+        engine: The transfer engine.
+        target: The stats bucket (``hidden_states`` or ``all``).
+        min_bytes: Tensors smaller than this stay on the device.
+    """
+
+    def __init__(self, engine: TransferEngine, target: str, min_bytes: int = 0) -> None:
+        self.engine, self.target, self.min_bytes = engine, target, min_bytes
+        self.paused = 0
+        self._active: Optional[Any] = None
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self.paused or self.engine.should_skip(tensor, self.min_bytes):
+            return tensor
+        return self.engine.pack(tensor, self.target)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return self.engine.unpack(packed) if isinstance(packed, Packed) else packed
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A fresh saved-tensor hook context."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def push(self) -> None:
+        """Enter the hooks until :meth:`pop` (a training step spans several Lightning hooks)."""
+        if self._active is None:
+            self._active = self.hooks()
+            self._active.__enter__()
+
+    def pop(self) -> None:
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def paused_for(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def pause_in(self, module: nn.Module) -> List[Any]:
+        """Keep ``module``'s saves (the output head) on the device; returns the hook handles."""
+
+        def enter(*_: Any) -> None:
+            self.paused += 1
+
+        def leave(*_: Any) -> None:
+            self.paused = max(0, self.paused - 1)
+
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+
+def offloading_checkpoint(checkpoint_fn: Callable[..., Any], offloader: SavedTensorOffloader) -> Callable[..., Any]:
+    """Wrap a checkpoint function so that what it saves outside its region (the layer's inputs) moves."""
+
+    @functools.wraps(checkpoint_fn)
+    def checkpoint_offloading_inputs(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with offloader.hooks():
+            return checkpoint_fn(function, *args, **kwargs)
+
+    return checkpoint_offloading_inputs
+
+
+class _HostSlots(dict):
+    """One op's saved outputs in one region (index -> entry), kept on the host until the recompute."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __setitem__(self, index: int, entry: Any) -> None:
+        from torch.utils._pytree import tree_map
+
+        def offload(wrapper: Any) -> Any:
+            value = getattr(wrapper, "val", None)
+            if isinstance(value, torch.Tensor) and not self.engine.should_skip(value):
+                wrapper.val = self.engine.pack(value, "selective")
+            return wrapper
+
+        if _is_entry(entry):
+            entry = tree_map(offload, entry, is_leaf=_is_wrapper)
+        super().__setitem__(index, entry)
+
+    def get(self, index: int, default: Any = None) -> Any:  # type: ignore[override]
+        from torch.utils._pytree import tree_map
+
+        entry = super().get(index, default)
+        if not _is_entry(entry):
+            return entry
+
+        def reload(wrapper: Any) -> Any:
+            value = getattr(wrapper, "val", None)
+            if isinstance(value, Packed):
+                wrapper.val = self.engine.unpack(value)
+                wrapper.version = wrapper.val._version
+            return wrapper
+
+        return tree_map(reload, entry, is_leaf=_is_wrapper)
+
+    def packed(self) -> List[Packed]:
+        from torch.utils._pytree import tree_leaves
+
+        found = []
+        for entry in self.values():
+            if _is_entry(entry):
+                found.extend(
+                    w.val
+                    for w in tree_leaves(entry, is_leaf=_is_wrapper)
+                    if isinstance(getattr(w, "val", None), Packed)
+                )
+        return found
+
+
+def _is_wrapper(x: Any) -> bool:
+    return type(x).__name__ == "_VersionWrapper"
+
+
+def _is_entry(entry: Any) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    return any(_is_wrapper(x) for x in tree_leaves(entry, is_leaf=_is_wrapper))
+
+
+class _HostStorage(dict):
+    """torch SAC's storage (op key -> slots) with host-resident slots."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __missing__(self, key: Any) -> _HostSlots:
+        slots = self[key] = _HostSlots(self.engine)
+        return slots
+
+    def prefetch(self) -> None:
+        for slots in self.values():
+            for packed in slots.packed():
+                self.engine._reload(packed.copy)
+
+
+def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., Any]], Tuple[Any, Any]]:
+    """A ``storage_factory`` for :class:`~lightning_ac.selective.policy.SelectivePolicy` whose saved tensors
+    live on the host, prefetched one checkpointed region ahead in backward."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    regions: List[_HostStorage] = []
+
+    @contextlib.contextmanager
+    def recompute(mode: Any, storage: _HostStorage) -> Iterator[None]:
+        # Backward runs regions in reverse: bring this one back, and start on the one before it.
+        index = next((i for i, s in enumerate(regions) if s is storage), None)
+        storage.prefetch()
+        if index:
+            regions[index - 1].prefetch()
+        with mode:
+            yield
+        if index is not None and regions[index] is storage:
+            regions[index] = _HostStorage(engine)  # consumed: drop references to its host buffers
+
+    def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:
+        storage = _HostStorage(engine)
+        regions.append(storage)  # cleared at each step start
+        return _CachingTorchDispatchMode(policy_fn, storage), recompute(
+            _CachedTorchDispatchMode(None, storage), storage
+        )
+
+    factory.reset = regions.clear  # type: ignore[attr-defined]
+    return factory

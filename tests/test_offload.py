@@ -1,0 +1,296 @@
+"""ActivationOffload on CPU with copy_on_host: exact gradients, counted transfers, nothing left behind."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import BATCH, LM, SEQ, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
+from lightning_ac.offload import HostMemoryError, TransferEngine
+
+HIDDEN = 64
+LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32
+
+
+def assert_same_training(reference: LM, run: LM) -> None:
+    assert reference.losses == run.losses
+    assert reference.grads.keys() == run.grads.keys()
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    base = tiny_model("llama")
+    return base, fit(clone(base))
+
+
+@pytest.mark.parametrize(
+    "checkpointing, offload, expected",
+    [
+        # one layer input per checkpointed layer: tensors == layers, bytes == layers * B * S * H * itemsize
+        ({}, {"hidden_states": "cpu"}, {"hidden_states": (4, 4 * LAYER_INPUT_BYTES)}),
+        ({"reentrant": True}, {"hidden_states": "cpu"}, {"hidden_states": (4, 4 * LAYER_INPUT_BYTES)}),
+        ({"kwargs": {"every_n_layers": 2}}, {"hidden_states": "cpu"}, {"hidden_states": (2, 2 * LAYER_INPUT_BYTES)}),
+        # SDPA on CPU returns (output, logsumexp): 2 saved tensors per layer
+        (
+            {"selective": True},
+            {"hidden_states": "cpu", "selective": "cpu"},
+            {
+                "hidden_states": (4, 4 * LAYER_INPUT_BYTES),
+                "selective": (8, 4 * (LAYER_INPUT_BYTES + BATCH * 4 * SEQ * 4)),
+            },
+        ),
+        ({"selective": True}, {"selective": "cpu"}, {"selective": (8, 4 * (LAYER_INPUT_BYTES + BATCH * 4 * SEQ * 4))}),
+        ({}, {"all": "cpu", "min_offload_bytes": 0}, {"all": None}),
+        (
+            {"selective": True},
+            {"all": "cpu", "selective": "cpu", "min_offload_bytes": 0},
+            {"all": None, "selective": (8, None)},
+        ),
+        (None, {"all": "cpu", "min_offload_bytes": 0}, {"all": None}),
+    ],
+)
+def test_gradients_identical_and_counts(llama_reference, checkpointing, offload, expected):
+    base, reference = llama_reference
+    callback = ActivationOffload(copy_on_host=True, **offload)
+    callbacks = ([ActivationCheckpointing(**checkpointing)] if checkpointing is not None else []) + [callback]
+    run = fit(clone(base), callbacks)
+    assert_same_training(reference, run)
+    for target in ("hidden_states", "selective", "all"):
+        stats = callback.last_step[target]
+        if target not in expected:
+            assert stats == {"tensors": 0, "bytes": 0}, target
+            continue
+        want = expected[target]
+        if want is None:
+            assert stats["tensors"] > 0 and stats["bytes"] > 0
+            continue
+        tensors, nbytes = want
+        assert stats["tensors"] == tensors, (target, stats)
+        if nbytes is not None:
+            assert stats["bytes"] == nbytes, (target, stats)
+
+
+def test_all_with_recompute_moves_layer_inputs_and_outside_saves_only(llama_reference):
+    base, reference = llama_reference
+    with_recompute = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    without = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    fit(clone(base), [ActivationCheckpointing(), with_recompute])
+    fit(clone(base), [without])
+    # recompute keeps the layers' insides out of the saved set: far fewer tensors move
+    assert 4 <= with_recompute.last_step["all"]["tensors"] < without.last_step["all"]["tensors"] / 3
+
+
+def test_output_head_stays_on_device(llama_reference):
+    base, _ = llama_reference
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            offloader = callback.plan.offload.all
+            head = pl_module.model.lm_head
+            head.register_forward_pre_hook(lambda *a: seen.append(offloader.paused))
+
+    callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    fit(clone(base), [Probe(), callback])
+    assert seen == [1]
+
+
+def test_lora_and_reentrant_with_hidden_states():
+    base = tiny_model("llama", lora=True)
+    reference = fit(clone(base))
+    for reentrant in (False, True):
+        callback = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+        run = fit(clone(base), [ActivationCheckpointing(reentrant=reentrant), callback])
+        assert_same_training(reference, run)
+        assert callback.last_step["hidden_states"]["tensors"] == 4
+
+
+def test_every_step_and_closure_are_offloaded(llama_reference):
+    base, _ = llama_reference
+
+    class Counting(LM):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS([p for p in self.parameters() if p.requires_grad], max_iter=3)
+
+    callback = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    module = Counting(clone(base))
+    make_trainer([ActivationCheckpointing(), callback], max_steps=2).fit(module, batches())
+    # LBFGS evaluates the closure several times a step: each forward's layer inputs are offloaded
+    assert callback.last_step["hidden_states"]["tensors"] > 4
+    assert callback.last_step["hidden_states"]["tensors"] % 4 == 0
+
+
+def test_inactive_outside_training(llama_reference):
+    base, _ = llama_reference
+    callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    module = LM(clone(base))
+    module.validation_step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss
+    trainer = make_trainer([callback])
+    trainer.validate(module, batches(), verbose=False)
+    assert callback.last_step["all"] == {"tensors": 0, "bytes": 0}
+
+
+class Boom(pl.Callback):
+    def on_after_backward(self, trainer, pl_module):
+        raise RuntimeError("boom")
+
+
+def test_nothing_left_pushed_after_exception(llama_reference):
+    base, _ = llama_reference
+    module = LM(clone(base))
+    fingerprint = model_fingerprint(module)
+    callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([callback, Boom()]).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+    # no saved-tensor hooks of ours are left on the stack: a plain forward saves real tensors
+    x = torch.ones(3, requires_grad=True)
+    y = x.sin()
+    assert torch.equal(y.grad_fn._saved_self, x)
+
+
+def test_cpu_trainer_without_copy_on_host_does_nothing(llama_reference, caplog):
+    base, reference = llama_reference
+    callback = ActivationOffload(hidden_states="cpu")
+    run = fit(clone(base), [ActivationCheckpointing(), callback])
+    assert_same_training(reference, run)
+    assert callback.last_step["hidden_states"] == {"tensors": 0, "bytes": 0}
+    assert sum("does nothing on a CPU-only trainer" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"hidden_states": "cpu", "all": "cpu"}, "cannot be combined"),
+        ({"all": "disk"}, "pending a fix"),
+        ({"all": "gpu"}, "all"),
+        ({"min_offload_bytes": -1}, "min_offload_bytes"),
+        ({"copy_on_host": "yes"}, "copy_on_host"),
+    ],
+)
+def test_argument_checks(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ActivationOffload(**kwargs)
+
+
+@pytest.mark.parametrize("offload", [{"hidden_states": "cpu"}, {"selective": "cpu"}])
+def test_targets_that_need_checkpointing(llama_reference, offload):
+    base, _ = llama_reference
+    with pytest.raises(ConfigError, match="no ActivationCheckpointing"):
+        fit(clone(base), [ActivationOffload(copy_on_host=True, **offload)])
+
+
+def test_selective_offload_needs_selective(llama_reference):
+    base, _ = llama_reference
+    with pytest.raises(ConfigError, match="needs selective"):
+        fit(clone(base), [ActivationCheckpointing(), ActivationOffload(selective="cpu", copy_on_host=True)])
+
+
+def test_offload_metrics_are_logged(llama_reference):
+    base, _ = llama_reference
+    callback = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    module = LM(clone(base))
+    trainer = make_trainer([ActivationCheckpointing(), callback])
+    trainer.fit(module, batches())
+    assert trainer.callback_metrics["lightning_ac/offload_bytes"] == 4 * LAYER_INPUT_BYTES
+    assert trainer.callback_metrics["lightning_ac/offload_hidden_states_bytes"] == 4 * LAYER_INPUT_BYTES
+
+
+# -- the engine on its own --------------------------------------------------------------------------------
+
+
+def roundtrip(engine: TransferEngine, tensors):
+    engine.start_step()
+    packed = [engine.pack(t, "all") for t in tensors]
+    out = [engine.unpack(p) for p in reversed(packed)][::-1]
+    engine.finish_step()
+    return out
+
+
+@pytest.fixture
+def engine():
+    return TransferEngine(torch.device("cpu"), copy_on_host=True)
+
+
+def test_engine_views_offsets_and_strides(engine):
+    base = torch.arange(60.0).reshape(6, 10)
+    cases = [base, base[2:4], base[:, 3:7], base.t(), base[1:, ::3], base.reshape(3, 20)[1], base.permute(1, 0)[2:]]
+    out = roundtrip(engine, cases)
+    for original, back in zip(cases, out):
+        assert torch.equal(original, back)
+        assert back.stride() == original.stride()
+        assert back.data_ptr() != original.data_ptr(), "a real copy"
+
+
+def test_engine_broadcast_is_not_materialised(engine):
+    row = torch.arange(8.0)
+    wide = row.expand(1000, 8)  # stride 0: 8 floats, not 8000
+    (back,) = roundtrip(engine, [wide])
+    assert torch.equal(back, wide) and back.stride() == (0, 1)
+    assert engine.last_step["all"] == {"tensors": 1, "bytes": 32}
+
+
+def test_engine_shared_storage_moves_once(engine):
+    base = torch.arange(100.0)
+    views = [base, base[10:20], base.view(10, 10)[3], base]
+    out = roundtrip(engine, views)
+    assert all(torch.equal(a, b) for a, b in zip(views, out))
+    assert engine.last_step["all"] == {"tensors": 1, "bytes": 400}
+    # the copies share their storage on the way back too
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+
+
+def test_engine_reused_address_is_not_mistaken_for_the_same_storage(engine):
+    engine.start_step()
+    first = torch.full((256,), 1.0)
+    packed_first = engine.pack(first, "all")
+    del first  # its memory may be handed to the next tensor of the same size
+    second = torch.full((256,), 2.0)
+    packed_second = engine.pack(second, "all")
+    assert torch.equal(engine.unpack(packed_second), torch.full((256,), 2.0))
+    assert torch.equal(engine.unpack(packed_first), torch.full((256,), 1.0))
+    engine.finish_step()
+    assert engine.last_step["all"]["tensors"] == 2
+
+
+def test_engine_skips_parameters_buffers_and_small_tensors(engine):
+    linear = torch.nn.Linear(4, 4)
+    engine.skip_storages.add(linear.weight.untyped_storage().data_ptr())
+    assert engine.should_skip(linear.weight)
+    assert engine.should_skip(linear.weight.t()), "a view of a parameter is the parameter"
+    assert engine.should_skip(torch.ones(4), min_bytes=1024)
+    assert not engine.should_skip(torch.ones(4))
+
+
+def test_engine_host_memory_error_before_oom(engine):
+    engine.start_step()
+    engine._host_limit = 1000  # as if the host had 1000 bytes left
+    engine.pack(torch.ones(200), "all")
+    with pytest.raises(HostMemoryError, match="host memory"):
+        engine.pack(torch.ones(200), "all")
+
+
+def test_engine_stash_is_bounded():
+    engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=2)
+
+    class Copy:  # a copy still in flight: query() says not done until synchronize() waits for it
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    events = [Copy() for _ in range(5)]
+    for event in events:
+        engine._stash.append((event, torch.ones(1)))
+        engine._trim_stash()
+        assert len(engine._stash) <= 2
+    assert [e.done for e in events] == [True, True, True, False, False]
