@@ -193,6 +193,29 @@ class ActivationOffload(SuiteCallback):
         self.max_pinned_bytes = max_pinned_bytes
         self.host_reserve_bytes = host_reserve_bytes
         self.last_step: Dict[str, Dict[str, int]] = {t: {"tensors": 0, "bytes": 0} for t in TARGETS}
+        self._reported_host_use = False
+
+    def _report_host_use(self, step_bytes: int) -> None:
+        """After the first step: how much host memory a step holds, and a warning when little is left."""
+        import logging
+
+        from lightning_ac._logging import rank_zero_log
+        from lightning_ac.offload import available_host_bytes
+
+        available = available_host_bytes()
+        free = f", {available / 2**30:.1f} GiB host memory available" if available is not None else ""
+        rank_zero_log(f"lightning_ac: offloading {step_bytes / 2**20:.1f} MiB to host memory per step{free}")
+        if available is not None and step_bytes > 0.5 * available:
+            rank_zero_log(
+                f"lightning_ac: offloading holds {step_bytes / 2**30:.1f} GiB of host memory per step, more than half "
+                f"of the {available / 2**30:.1f} GiB available; a larger batch or sequence will not fit. Consider "
+                "offload.hidden_states instead of offload.all.",
+                logging.WARNING,
+            )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._reported_host_use = False
+        super().setup(trainer, pl_module, stage)
 
     @property
     def targets(self) -> List[str]:
@@ -230,6 +253,9 @@ class ActivationOffload(SuiteCallback):
         runtime.finish_step()
         self.last_step = runtime.last_step
         total = sum(v["bytes"] for v in self.last_step.values())
+        if not self._reported_host_use:
+            self._reported_host_use = True
+            self._report_host_use(total)
         pl_module.log("lightning_ac/offload_bytes", float(total), on_step=True, on_epoch=False, batch_size=1)
         for target in runtime.targets:
             pl_module.log(

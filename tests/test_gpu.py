@@ -46,3 +46,49 @@ def test_cuda_allocator_peak_shows_checkpointing_saves_memory():
         assert metrics.peak.source == "cuda_allocator"
         peaks[name] = metrics.peak.activation_bytes
     assert peaks["full"] < peaks["off"]
+
+
+# -- activation offloading on the real stream path -------------------------------------------------------
+
+
+def _peak_activation(base, callbacks, seq_model=None):
+    metrics = StepMetrics(measure_step=1)
+    module = gpu_fit(clone(base), [*callbacks, metrics], max_steps=3)
+    return metrics.peak.activation_bytes, module
+
+
+@pytest.mark.parametrize(
+    "checkpointing, offload",
+    [
+        ({}, {"hidden_states": "cpu"}),
+        ({"reentrant": True}, {"hidden_states": "cpu"}),
+        ({"selective": True}, {"hidden_states": "cpu", "selective": "cpu"}),
+        ({}, {"all": "cpu", "min_offload_bytes": 0}),
+        (None, {"all": "cpu", "min_offload_bytes": 0}),
+    ],
+)
+def test_offload_on_cuda_gradients_identical(checkpointing, offload):
+    from lightning_ac import ActivationOffload
+
+    base = tiny_model("llama")
+    reference = gpu_fit(clone(base))
+    callback = ActivationOffload(**offload)
+    callbacks = ([ActivationCheckpointing(**checkpointing)] if checkpointing is not None else []) + [callback]
+    run = gpu_fit(clone(base), callbacks)
+    assert reference.losses == run.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+    moved = sum(v["bytes"] for v in callback.last_step.values())
+    assert moved > 0
+
+
+def test_offload_lowers_peak_device_memory():
+    from lightning_ac import ActivationOffload
+
+    base = tiny_model("llama", hidden_size=256, intermediate_size=512, max_position_embeddings=4096)
+    full, _ = _peak_activation(base, [ActivationCheckpointing()])
+    hidden, _ = _peak_activation(base, [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu")])
+    off, _ = _peak_activation(base, [])
+    only, _ = _peak_activation(base, [ActivationOffload(all="cpu", min_offload_bytes=0)])
+    assert hidden < full, (hidden, full)
+    assert only < off, (only, off)
