@@ -81,6 +81,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         block,
         layer_offloading=data.get("layer_offloading", False),
         copy_on_host=data.get("offload_copy_on_host", False),
+        verbose=data.get("report", False),
     )
 
     pl.seed_everything(cfg.seed, workers=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ac.config import ConfigError, OffloadConfig, Placement, config_to_dict, parse_config, parse_placement
@@ -20,6 +21,7 @@ class SuiteCallback(Callback):
     ``teardown`` and ``on_exception``."""
 
     _plan: Optional[Plan] = None
+    verbose: bool = False
 
     def block(self) -> Dict[str, Any]:
         """This callback's part of the ``activation_checkpointing`` block."""
@@ -52,6 +54,33 @@ class SuiteCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plan = self._plan
+        if plan is None or plan.callbacks[0] is not self or not any(cb.verbose for cb in plan.callbacks):
+            return  # one table per run, from the first suite callback
+        from lightning_ac._logging import rank_zero_log
+        from lightning_ac.report import layer_rows, render_layer_table
+
+        rows = layer_rows(plan)
+        if rows:
+            rank_zero_log(render_layer_table(rows))
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._is_first(pl_module) and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._is_first(pl_module) and pl_module.device.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(pl_module.device))
+            pl_module.log("lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1)
+
+    def _is_first(self, pl_module: pl.LightningModule) -> bool:
+        return self._plan is not None and self._plan.callbacks[0] is self
+
 
 class ActivationCheckpointing(SuiteCallback):
     """Recompute decoder layers in backward instead of keeping their activations.
@@ -66,6 +95,8 @@ class ActivationCheckpointing(SuiteCallback):
             ``save_modules``, ``save_matmul_min_k``, ``save_sliding_window``, ``recompute_layer_types``.
         layers: For models that are not transformers models: the decoder layers, as layer classes or globs
             over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers.
+        verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
+            offloaded where (rich when installed, plain text otherwise).
 
     Raises:
         ConfigError: If an argument is invalid; the message names the argument and the fix.
@@ -83,6 +114,7 @@ class ActivationCheckpointing(SuiteCallback):
         kwargs: Optional[Mapping[str, Any]] = None,
         selective: Any = None,
         layers: Optional[Sequence[LayerSpec]] = None,
+        verbose: bool = False,
     ) -> None:
         if layers is not None:
             if isinstance(layers, (str, type)) or not all(isinstance(s, (str, type)) for s in layers):
@@ -100,6 +132,7 @@ class ActivationCheckpointing(SuiteCallback):
             }
         )
         self.layers = layers
+        self.verbose = bool(verbose)
 
     def block(self) -> Dict[str, Any]:
         cfg = self.config
@@ -154,6 +187,7 @@ class ActivationOffload(SuiteCallback):
         max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
         host_reserve_bytes: Host memory left free; offloading past ``MemAvailable`` minus this raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of an OOM kill.
+        verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
 
     Attributes:
         last_step: ``{"hidden_states": {"tensors": n, "bytes": n}, "selective": {...}, "all": {...}}`` for the
@@ -171,7 +205,9 @@ class ActivationOffload(SuiteCallback):
         min_offload_bytes: int = 2**16,
         max_pinned_bytes: int = 8 * 2**30,
         host_reserve_bytes: int = 2 * 2**30,
+        verbose: bool = False,
     ) -> None:
+        self.verbose = bool(verbose)
         self.offload = OffloadConfig(
             hidden_states=parse_placement(hidden_states, "ActivationOffload(hidden_states=...)"),
             selective=parse_placement(selective, "ActivationOffload(selective=...)"),
@@ -241,12 +277,14 @@ class ActivationOffload(SuiteCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._plan is not None and self._plan.offload is not None:
             self._plan.offload.start_step()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         runtime = self._plan.offload if self._plan is not None else None
         if runtime is None:
             return
@@ -279,13 +317,16 @@ class LayerOffload(SuiteCallback):
         return {}
 
 
-def callbacks_from_config(block: Any, *, layer_offloading: bool = False, copy_on_host: bool = False) -> List[Callback]:
+def callbacks_from_config(
+    block: Any, *, layer_offloading: bool = False, copy_on_host: bool = False, verbose: bool = False
+) -> List[Callback]:
     """Build the suite callbacks an ``activation_checkpointing`` block asks for.
 
     Args:
         block: The block in any form :func:`~lightning_ac.parse_config` accepts.
         layer_offloading: The separate ``layer_offloading`` key.
         copy_on_host: Passed to :class:`ActivationOffload`: run the offload copies on a CPU-only trainer too.
+        verbose: Print the per-layer table at fit start.
 
     Returns:
         The callbacks to pass to ``Trainer(callbacks=...)``; empty when everything is off.
@@ -304,13 +345,18 @@ def callbacks_from_config(block: Any, *, layer_offloading: bool = False, copy_on
                 reentrant=cfg.reentrant,
                 kwargs=cfg.kwargs,
                 selective=config_to_dict(cfg)["selective"],
+                verbose=verbose,
             )
         )
     off = cfg.offload
     if any(getattr(off, t) != Placement.none for t in ("hidden_states", "selective", "all")):
         callbacks.append(
             ActivationOffload(
-                hidden_states=off.hidden_states, selective=off.selective, all=off.all, copy_on_host=copy_on_host
+                hidden_states=off.hidden_states,
+                selective=off.selective,
+                all=off.all,
+                copy_on_host=copy_on_host,
+                verbose=verbose,
             )
         )
     if layer_offloading:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -9,6 +11,7 @@ from conftest import BATCH, LM, SEQ, batches, clone, fit, make_trainer, model_fi
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
 from lightning_ac.offload import HostMemoryError, TransferEngine
+from lightning_ac.offload.targets import SavedTensorOffloader
 
 HIDDEN = 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32
@@ -289,8 +292,72 @@ def test_engine_stash_is_bounded():
             self.done = True
 
     events = [Copy() for _ in range(5)]
+    engine.start_step()
     for event in events:
-        engine._stash.append((event, torch.ones(1)))
+        saved = torch.ones(4)
+        copy = engine.pack(saved, "all").copy
+        engine._stash.append((event, saved, saved, saved._version, copy))
         engine._trim_stash()
         assert len(engine._stash) <= 2
     assert [e.done for e in events] == [True, True, True, False, False]
+
+
+def test_engine_detects_an_edit_racing_the_copy():
+    engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+
+    class InFlight:
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    engine.start_step()
+    saved = torch.ones(4)
+    packed = engine.pack(saved, "all")
+    engine._stash.append((InFlight(), saved, saved, saved._version, packed.copy))
+    saved.mul_(2)  # the compute stream edits it while the (pretend) copy still reads it
+    engine.finish_step()
+    with pytest.raises(RuntimeError, match="edited in place while it was being copied"):
+        engine.unpack(packed)
+
+
+def test_in_place_edit_after_save_does_not_reuse_a_stale_copy():
+    torch.manual_seed(0)
+    x, w, w2 = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def step(offload: bool):
+        w.grad = w2.grad = None
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+        hooks = SavedTensorOffloader(engine, "all").hooks() if offload else contextlib.nullcontext()
+        engine.start_step()
+        with hooks:
+            h = x @ w
+            (h * h).mean()  # saves h (version 0), never backpropagated
+            h.relu_()  # edits h in place: the next save must not reuse the copy above
+            loss = (h @ w2).sum()
+        loss.backward()
+        engine.finish_step()
+        return w.grad.clone(), w2.grad.clone()
+
+    for plain, offloaded in zip(step(False), step(True)):
+        assert torch.equal(plain, offloaded)
+
+
+def test_engine_skips_empty_conj_and_subclass_tensors(engine):
+    assert engine.should_skip(torch.randn(10)[10:])
+    assert engine.should_skip(torch.randn(4, dtype=torch.complex64).conj())
+    assert engine.should_skip(torch.nn.Parameter(torch.ones(4)))
+
+
+def test_parameter_skips_follow_the_module_to_its_storage():
+    from lightning_ac.config import OffloadConfig
+    from lightning_ac.offload import OffloadRuntime
+
+    linear = torch.nn.Linear(4, 4)
+    runtime = OffloadRuntime(OffloadConfig(all="cpu"), torch.device("cpu"), copy_on_host=True)
+    runtime.skip_module_tensors(linear)
+    linear.weight.data = linear.weight.data.clone()  # as a strategy moving the module to its device does
+    runtime.start_step()
+    assert runtime.engine.should_skip(linear.weight.detach().t())
+    runtime.finish_step()

@@ -18,6 +18,7 @@ tensors come back as they were, without materialising a broadcast. Saves that sh
 from __future__ import annotations
 
 import collections
+import weakref
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
@@ -27,6 +28,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
 
 __all__ = ["OffloadStats", "Packed", "TransferEngine"]
+
+# Host buffers are allocated in size classes so that a pool survives varying sequence lengths.
+_SIZE_CLASS = 2**20
 
 
 @dataclass
@@ -44,19 +48,22 @@ class OffloadStats:
 class _HostCopy:
     """A host copy of the byte range ``[start, start + nbytes)`` of one device storage."""
 
-    host: torch.Tensor
+    host: torch.Tensor  # nbytes of ``buffer``
     storage: Any  # a weak reference to the device storage: a freed storage's address can be reused
+    version: int  # the tensor's version counter when copied: an in-place edit since makes the copy stale
     start: int
     nbytes: int
     event: Any = None  # accelerator event: the device -> host copy finished
     device_data: Optional[torch.Tensor] = None  # reloaded bytes, shared by every save of this copy
     reload_event: Any = None
     pending_unpacks: int = 0
+    edited_in_flight: bool = False  # an in-place edit ran while the asynchronous copy was reading it
 
-    def covers(self, start: int, end: int, element_size: int) -> bool:
-        if self.storage.expired():
-            return False  # the storage it copied is gone; a new one now lives at that address
-        return self.start <= start and end <= self.start + self.nbytes and (start - self.start) % element_size == 0
+    def covers(self, tensor: torch.Tensor, start: int, end: int) -> bool:
+        if self.storage.expired() or tensor._version != self.version:
+            return False  # the storage it copied is gone, or it was edited in place since
+        in_range = self.start <= start and end <= self.start + self.nbytes
+        return in_range and (start - self.start) % tensor.element_size() == 0
 
 
 @dataclass(eq=False)
@@ -68,12 +75,13 @@ class Packed:
     stride: Tuple[int, ...]
     offset: int  # in elements, from the start of the copied byte range
     dtype: torch.dtype
+    index: int  # position in this step's pack order, for prefetching
 
 
 def _byte_extent(tensor: torch.Tensor) -> Tuple[int, int]:
     """The bytes of its storage a tensor can read: exact for views, offsets, permutations and stride 0."""
     size = tensor.element_size()
-    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()) if n > 0)
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     start = tensor.storage_offset() * size
     return start, start + (last + 1) * size
 
@@ -116,12 +124,14 @@ class TransferEngine:
         device: torch.device,
         copy_on_host: bool = False,
         max_pinned_bytes: int = 8 * 2**30,
-        stash_size: int = 4,
+        stash_size: int = 16,
         prefetch: int = 1,
         host_reserve_bytes: int = 2 * 2**30,
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
+        # Devices whose module has no streams (MPS) copy synchronously.
+        self.asynchronous = self.on_accelerator and hasattr(torch.get_device_module(self.device.type), "Stream")
         self.enabled = self.on_accelerator or copy_on_host
         self.max_pinned_bytes = max_pinned_bytes
         self.stash_size = stash_size
@@ -133,7 +143,8 @@ class TransferEngine:
         self._streams: Optional[_Streams] = None
         self._copies: Dict[int, List[_HostCopy]] = {}  # storage data_ptr -> host copies, this step
         self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
-        self._stash: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        # (copy finished event, device bytes, the saved tensor, its version then, the copy)
+        self._stash: Deque[Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]] = collections.deque()
         self._pool: Dict[int, List[torch.Tensor]] = collections.defaultdict(list)
         self._pinned_bytes = 0
         self._host_limit: Optional[int] = None
@@ -150,64 +161,71 @@ class TransferEngine:
             self._host_limit = None if available is None else max(0, available - self.host_reserve_bytes)
 
     def finish_step(self) -> None:
-        """Wait for every copy in flight, return host buffers to the pool and record ``last_step``."""
+        """Wait for every copy in flight and record ``last_step``.
+
+        Host buffers go back to the pool only when their copy is garbage-collected (autograd dropped every
+        save that uses it), so a graph kept across steps never reads a buffer that was reused.
+        """
         if self._streams is not None:
             self._streams.synchronize()
-        self._stash.clear()
-        for copies in self._copies.values():
-            for copy in copies:
-                self._release(copy)
+        while self._stash:
+            self._retire(self._stash.popleft())
         self._copies.clear()
         self._packed.clear()
         self.last_step = {name: s.as_dict() for name, s in self.stats.items()}
 
     # -- pack / unpack ------------------------------------------------------------------------------------
 
-    def should_skip(self, tensor: torch.Tensor, min_bytes: int = 0) -> bool:
-        """Parameters, buffers (and their views), host tensors and tensors below ``min_bytes`` stay put."""
-        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+    def should_skip(self, tensor: Any, min_bytes: int = 0) -> bool:
+        """What stays on the device: parameters and buffers (and views of them), host tensors, empty and small
+        tensors, and tensors whose layout a byte copy would not carry (subclasses such as DTensor, conj/neg
+        views)."""
+        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+            return True  # Parameters, DTensors, fake/functional tensors under compile...
+        if tensor.device != self.device or tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
             return True
-        local = tensor.to_local() if hasattr(tensor, "to_local") and type(tensor).__name__ == "DTensor" else tensor
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(local, torch.nn.Parameter):
+        if tensor.numel() * tensor.element_size() < min_bytes:
             return True
-        if local.device != self.device or local.numel() * local.element_size() < min_bytes:
+        if isinstance(tensor._base, torch.nn.Parameter):
             return True
-        return local.untyped_storage().data_ptr() in self.skip_storages
+        return tensor.untyped_storage().data_ptr() in self.skip_storages
 
     def pack(self, tensor: torch.Tensor, target: str) -> Packed:
         """Start moving ``tensor`` to the host; returns what backward will unpack.
 
         A save whose bytes an earlier copy of this step already holds (a second view of one storage, the
-        same tensor saved twice) reuses that copy: it moves once.
+        same tensor saved twice), unchanged since, reuses that copy: it moves once.
         """
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
         start, end = _byte_extent(tensor)
-        copies = self._copies.setdefault(key, [])
-        copy = next((c for c in copies if c.covers(start, end, tensor.element_size())), None)
+        copies = self._copies.setdefault(storage.data_ptr(), [])
+        copy = next((c for c in copies if c.covers(tensor, start, end)), None)
         if copy is None:
             copy = self._copy_to_host(tensor, StorageWeakRef(storage), start, end - start, target)
             copies.append(copy)
         copy.pending_unpacks += 1
-        packed = Packed(
-            copy,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            (start - copy.start) // tensor.element_size(),
-            tensor.dtype,
-        )
+        offset = (start - copy.start) // tensor.element_size()
+        packed = Packed(copy, tuple(tensor.shape), tuple(tensor.stride()), offset, tensor.dtype, len(self._packed))
         self._packed.append(packed)
         return packed
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Bring a packed tensor back to the device, prefetching the saves backward needs next."""
-        index = next((i for i in range(len(self._packed) - 1, -1, -1) if self._packed[i] is packed), None)
+        if packed.copy.edited_in_flight:
+            raise RuntimeError(
+                "A tensor saved for backward was edited in place while it was being copied to host memory, so "
+                "its host copy may be torn. Avoid the in-place edit, or register the op that produced it with "
+                "lightning_ac.register_mandatory_save (the forward then edits a clone)."
+            )
         data = self._reload(packed.copy)
-        if index is not None and self.prefetch:
+        index = packed.index
+        if self.prefetch and index < len(self._packed) and self._packed[index] is packed:
             for ahead in self._packed[max(0, index - self.prefetch) : index]:
                 self._reload(ahead.copy)
         if self._streams is not None and packed.copy.reload_event is not None:
-            self._streams.current().wait_event(packed.copy.reload_event)
+            current = self._streams.current()
+            current.wait_event(packed.copy.reload_event)
+            data.record_stream(current)  # the stream that uses it, known only now
         out = torch.empty(0, dtype=packed.dtype, device=data.device)
         out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
         packed.copy.pending_unpacks -= 1
@@ -218,18 +236,17 @@ class TransferEngine:
     # -- internals ----------------------------------------------------------------------------------------
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        pool = self._pool.get(nbytes)
+        size = -(-nbytes // _SIZE_CLASS) * _SIZE_CLASS if self.on_accelerator else nbytes
+        pool = self._pool.get(size)
         if pool:
             return pool.pop()
-        pin = self.on_accelerator and self._pinned_bytes + nbytes <= self.max_pinned_bytes
+        pin = self.asynchronous and self._pinned_bytes + size <= self.max_pinned_bytes
         if pin:
-            self._pinned_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            self._pinned_bytes += size
+        return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
 
-    def _release(self, copy: _HostCopy) -> None:
-        host = copy.host
-        if host.is_pinned():
-            self._pool[host.numel()].append(host)
+    def _return_to_pool(self, buffer: torch.Tensor) -> None:
+        self._pool[buffer.numel()].append(buffer)
 
     def _check_host_memory(self, nbytes: int) -> None:
         self._bytes_this_step += nbytes
@@ -245,30 +262,42 @@ class TransferEngine:
         self._check_host_memory(nbytes)
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         source.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
-        host = self._host_buffer(nbytes)
+        buffer = self._host_buffer(nbytes)
+        host = buffer[:nbytes]
         stats = self.stats[target]
         stats.tensors += 1
         stats.bytes += nbytes
-        copy = _HostCopy(host=host, storage=storage, start=start, nbytes=nbytes)
-        if not self.on_accelerator:
+        copy = _HostCopy(host=host, storage=storage, version=tensor._version, start=start, nbytes=nbytes)
+        if buffer.is_pinned():
+            weakref.finalize(copy, self._return_to_pool, buffer)
+        if not self.asynchronous:
             host.copy_(source)
             return copy
         streams = self._ensure_streams()
-        streams.d2h.wait_stream(streams.current())
+        streams.d2h.wait_stream(streams.current())  # after the kernels that produced the tensor
+        streams.d2h.wait_stream(streams.h2d)  # a pooled buffer may still feed a reload
         with streams.stream(streams.d2h):
             host.copy_(source, non_blocking=True)
             copy.event = streams.d2h.record_event()
-        # keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them
-        self._stash.append((copy.event, source))
+        # Keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them, and
+        # watch the version counter: an in-place edit on the compute stream could race with the copy.
+        self._stash.append((copy.event, source, tensor.detach(), tensor._version, copy))
         self._trim_stash()
         return copy
 
+    @staticmethod
+    def _retire(entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]) -> None:
+        _, _, tensor, version, copy = entry
+        if tensor._version != version:
+            copy.edited_in_flight = True
+
     def _trim_stash(self) -> None:
         while self._stash and self._stash[0][0].query():
-            self._stash.popleft()
+            self._retire(self._stash.popleft())
         while len(self._stash) > self.stash_size:
-            event, _ = self._stash.popleft()
-            event.synchronize()  # the host waits, never the compute stream
+            entry = self._stash.popleft()
+            entry[0].synchronize()  # the host waits, never the compute stream
+            self._retire(entry)
 
     def _ensure_streams(self) -> _Streams:
         if self._streams is None:
@@ -278,9 +307,11 @@ class TransferEngine:
     def _reload(self, copy: _HostCopy) -> torch.Tensor:
         if copy.device_data is not None:
             return copy.device_data
-        if not self.on_accelerator:
-            copy.device_data = copy.host.clone()
-            return copy.device_data
+        if not self.asynchronous:
+            data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
+            data.copy_(copy.host)
+            copy.device_data = data
+            return data
         streams = self._ensure_streams()
         with streams.stream(streams.h2d):
             if copy.event is not None:
@@ -288,6 +319,5 @@ class TransferEngine:
             data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
             data.copy_(copy.host, non_blocking=True)
             copy.reload_event = streams.h2d.record_event()
-        data.record_stream(streams.current())
         copy.device_data = data
         return data

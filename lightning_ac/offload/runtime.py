@@ -50,14 +50,25 @@ class OffloadRuntime:
         )
         self.handles: List[Any] = []
         self.in_step = False
+        self._module: Optional[torch.nn.Module] = None
 
     def skip_module_tensors(self, module: torch.nn.Module) -> None:
-        """Parameters and buffers (and views of them, like a transposed weight) never move."""
-        for tensor in [*module.parameters(), *module.buffers()]:
+        """Parameters and buffers (and views of them, like a transposed weight) never move. Read again at each
+        step: the strategy moves the module to its device after ``setup``, and sharding changes storages."""
+        self._module = module
+        self._refresh_skips()
+
+    def _refresh_skips(self) -> None:
+        if self._module is None:
+            return
+        skips = set()
+        for tensor in [*self._module.parameters(), *self._module.buffers()]:
             local = tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
-            self.engine.skip_storages.add(local.untyped_storage().data_ptr())
+            skips.add(local.untyped_storage().data_ptr())
+        self.engine.skip_storages = skips
 
     def start_step(self) -> None:
+        self._refresh_skips()
         self.engine.start_step()
         if self.sac_storage is not None:
             self.sac_storage.reset()  # type: ignore[attr-defined]

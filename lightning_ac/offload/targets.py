@@ -40,6 +40,8 @@ class SavedTensorOffloader:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self.paused or self.engine.should_skip(tensor, self.min_bytes):
             return tensor
+        if torch._C._current_graph_task_id() != -1:
+            return tensor  # saved during backward (a reentrant recompute): used at once, not worth moving
         return self.engine.pack(tensor, self.target)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -104,6 +106,9 @@ class _HostSlots(dict):
         def offload(wrapper: Any) -> Any:
             value = getattr(wrapper, "val", None)
             if isinstance(value, torch.Tensor) and not self.engine.should_skip(value):
+                # The host copy is taken at save time, so a later in-place edit of the forward's tensor cannot reach
+                # it (the recompute replays that edit on the reloaded copy, as the forward did). An edit racing an
+                # asynchronous copy is caught by the engine.
                 wrapper.val = self.engine.pack(value, "selective")
             return wrapper
 
