@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device run: the gpu-marked tests, then the gpu-8k benchmark table. Meant for the `device` tool:
+#   run(command="bash scripts/gpu_check.sh", timeout_s=540)
+# The device image has torch, transformers, lightning and peft; lightning_ac's CUDA paths need nothing more
+# (omegaconf/hydra are only imported by the Hydra job and the legacy YAML printer).
+set -uo pipefail
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, lightning; print(torch.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/gpu.txt"
+# 1. correctness and memory on the real stream path (a few minutes at most)
+timeout 240 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+# 2. the gpu-8k table: ~1B-parameter Llama, bf16, 8k tokens; every mode and anchor, 2 alternating repetitions
+timeout 300 python3 -m lightning_ac.bench --preset gpu-8k --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
