@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from conftest import clone, fit, tiny_model
+
 from lightning_ac import ActivationCheckpointing, ActivationOffload
 from lightning_ac.report import LayerRow, render_layer_table
 
