@@ -354,6 +354,12 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser.add_argument("--reps", type=int, default=None, help="alternating repetitions per mode")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
     parser.add_argument("--out", type=Path, default=None, help="write results.json, results.md, memory_time.png here")
+    parser.add_argument(
+        "--budget-gib", type=float, default=None, help="print the fastest mode whose activation peak fits this budget"
+    )
+    parser.add_argument(
+        "--plan-seq", type=int, default=None, help="sequence length to plan for (default: the measured one)"
+    )
     args = parser.parse_args(argv)
     preset = args.preset or ("gpu-8k" if torch.cuda.is_available() else "cpu-small")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -362,7 +368,23 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps)
     table = results_markdown(rows)
     print(table)
+    advice = None
+    if args.budget_gib is not None:
+        from lightning_ac.planner import explain, plan_mode, scaling_errors
+
+        seq = args.seq or PRESETS[preset]["seq"]
+        batch = args.batch or PRESETS[preset]["batch"]
+        # the scaling check: measure every mode's peak at half the sequence too
+        half = run_benchmark(preset, [r.mode for r in rows], seq // 2, batch, args.dtype, reps=1, steps=1)
+        errors = scaling_errors(rows, half)
+        planned = (args.plan_seq or seq) * batch
+        budget = int(args.budget_gib * 2**30)
+        advice = explain(plan_mode(rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
+        print(advice)
     if args.out:
+        if advice is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "plan.txt").write_text(advice + "\n")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
