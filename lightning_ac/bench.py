@@ -165,13 +165,26 @@ class _SameBatch(torch.utils.data.Dataset):
         return self.batch
 
 
-def _build_model(preset: Dict[str, Any], dtype: torch.dtype, seed: int) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model_config(preset: Dict[str, Any], model: Optional[str]) -> Any:
+    """The preset's Llama-style config, another transformers model type with the preset's sizes (``qwen3``),
+    or a JSON config file (with a ``model_type``)."""
+    from transformers import AutoConfig
 
-    config = LlamaConfig(**preset["model"])
+    if model is None:
+        return AutoConfig.for_model("llama", **preset["model"])
+    path = Path(model)
+    if path.suffix == ".json" or path.exists():
+        data = json.loads(path.read_text())
+        return AutoConfig.for_model(data.pop("model_type", "llama"), **data)
+    return AutoConfig.for_model(model, **preset["model"])
+
+
+def _build_model(config: Any, dtype: torch.dtype, seed: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(dtype)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
 
 
 def _run_mode(
@@ -210,6 +223,7 @@ def run_benchmark(
     reps: Optional[int] = None,
     steps: Optional[int] = None,
     seed: int = 0,
+    model: Optional[str] = None,
 ) -> List[Row]:
     """Run the benchmark and return one :class:`Row` per mode."""
     preset = copy.deepcopy(PRESETS[preset_name])
@@ -227,9 +241,10 @@ def run_benchmark(
             f"unknown mode(s) {unknown}; choose from "
             f"{sorted({**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS})}"
         )
-    base = _build_model(preset, torch_dtype, seed)
+    config = _model_config(preset, model)
+    base = _build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
-    batch_ids = torch.randint(0, preset["model"]["vocab_size"], (batch_size, seq), generator=generator)
+    batch_ids = torch.randint(0, config.vocab_size, (batch_size, seq), generator=generator)
 
     times: Dict[str, List[float]] = {m: [] for m in modes}
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
@@ -348,6 +363,9 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser.add_argument(
         "--modes", nargs="+", default=None, help=f"default: all that run here ({', '.join(MODES)}, ...)"
     )
+    parser.add_argument(
+        "--model", default=None, help="a transformers model type with the preset's sizes (qwen3), or a JSON config"
+    )
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -365,7 +383,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning_ac").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps)
+    rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
     table = results_markdown(rows)
     print(table)
     advice = None
@@ -375,7 +393,8 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         seq = args.seq or PRESETS[preset]["seq"]
         batch = args.batch or PRESETS[preset]["batch"]
         # the scaling check: measure every mode's peak at half the sequence too
-        half = run_benchmark(preset, [r.mode for r in rows], seq // 2, batch, args.dtype, reps=1, steps=1)
+        modes = [r.mode for r in rows]
+        half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
         errors = scaling_errors(rows, half)
         planned = (args.plan_seq or seq) * batch
         budget = int(args.budget_gib * 2**30)

@@ -51,3 +51,61 @@ def test_default_example_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 100
     assert summary["first_loss"] - summary["final_loss"] > 1.0, "the loss goes down"
+
+
+def _row(mode, peak, step, kind="suite"):
+    return bench.Row(mode=mode, kind=kind, peak_activation_bytes=peak, step_time_s=step, max_grad_diff=0.0)
+
+
+def test_planner_picks_the_fastest_mode_that_fits():
+    from lightning_ac.planner import explain, plan_mode, scaling_errors
+
+    rows = [
+        _row("off", 1000, 1.0),
+        _row("every_2", 600, 1.1),
+        _row("full", 200, 1.3),
+        _row("hf_native_full", 200, 1.35, "anchor"),
+    ]
+    half = [
+        _row("off", 500, 0.5),
+        _row("every_2", 330, 0.6),
+        _row("full", 100, 0.7),
+        _row("hf_native_full", 100, 0.7, "anchor"),
+    ]
+    errors = scaling_errors(rows, half)
+    assert errors["off"] == 0.0 and errors["every_2"] == pytest.approx(0.1)
+    # at twice the tokens: off 2000, every_2 1200 (+10% margin = 1320), full 400
+    choices = plan_mode(rows, budget_bytes=1300, measured_tokens=100, planned_tokens=200, errors=errors)
+    assert [c.mode for c in choices] == ["off", "every_2", "full", "hf_native_full"]
+    assert [c.fits for c in choices] == [False, False, True, True]
+    text = explain(choices, 1300, 200, 100)
+    assert "Use: full (fastest mode that fits; faster modes over budget: off, every_2)." in text
+    assert "No mode fits" in explain(plan_mode(rows, 10, 100, 200, errors), 10, 200, 100)
+
+
+def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
+    tiny = dict(
+        model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
+        seq=64, batch=1, dtype="float32", reps=1, steps=1,
+    )  # fmt: skip
+    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+    bench.main(["--preset", "tiny", "--modes", "off", "full", "--budget-gib", "1", "--out", str(tmp_path)])
+    plan = (tmp_path / "plan.txt").read_text()
+    assert "Activation budget 1.00 GiB at 64 tokens" in plan and "Use: " in plan
+    assert "Use: " in capsys.readouterr().out
+
+
+def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):
+    tiny = dict(
+        model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
+        seq=32, batch=1, dtype="float32", reps=1, steps=1,
+    )  # fmt: skip
+    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+    rows = bench.main(["--preset", "tiny", "--model", "qwen3", "--modes", "off", "full"])
+    assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
+    config = tmp_path / "gemma.json"
+    config.write_text(json.dumps({"model_type": "gemma3_text", **tiny["model"], "head_dim": 16}))
+    rows = bench.main(["--preset", "tiny", "--model", str(config), "--modes", "off", "selective_attn"])
+    assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
