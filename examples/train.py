@@ -61,8 +61,9 @@ def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
     """The job config as plain data with legacy keys migrated into the block."""
     data = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(data, dict)
+    fsdp_config = data.get("fsdp_config")
     legacy = [k for k in LEGACY_KEYS[:-1] if k in data] or (
-        ["fsdp_config"] if "activation_checkpointing" in (data.get("fsdp_config") or {}) else []
+        ["fsdp_config"] if isinstance(fsdp_config, dict) and "activation_checkpointing" in fsdp_config else []
     )
     if legacy and not _user_set_block():
         data.pop("activation_checkpointing", None)  # the default option, not a choice of the user's
@@ -75,6 +76,13 @@ def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
+    if not isinstance(cfg.print_every, int) or cfg.print_every < 1:
+        raise ConfigError(f"print_every: expected an integer >= 1, got {cfg.print_every!r}.")
+    if cfg.model.config.vocab_size < 256:
+        raise ConfigError(
+            "model.config.vocab_size: the example trains on bytes, so it needs >= 256, "
+            f"got {cfg.model.config.vocab_size}."
+        )
     data = resolve_block(cfg)
     block = parse_config(data.get("activation_checkpointing"))
     callbacks = callbacks_from_config(

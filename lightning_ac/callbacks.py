@@ -44,9 +44,11 @@ class SuiteCallback(Callback):
         plan = self._plan
         if plan is None:
             return
-        plan.remove()
-        for cb in plan.callbacks:
-            cb._plan = None
+        try:
+            plan.remove()
+        finally:
+            for cb in plan.callbacks:
+                cb._plan = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()

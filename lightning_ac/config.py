@@ -343,6 +343,13 @@ def _check_combination(cfg: ActivationCheckpointingConfig) -> None:
             "activation_checkpointing.selective: selective checkpointing requires non-reentrant checkpointing, "
             "but reentrant is true. Set reentrant: false (or leave it out), or remove selective."
         )
+    if cfg.kwargs.get("debug") and (cfg.selective is not None or cfg.reentrant):
+        what = "selective checkpointing (a custom context_fn)" if cfg.selective is not None else "reentrant: true"
+        raise ConfigError(
+            f"activation_checkpointing.kwargs.debug: torch's checkpoint debug mode does not work with {what}; torch "
+            "would raise at the first training step. Remove kwargs.debug, or remove "
+            f"{'selective' if cfg.selective is not None else 'reentrant: true'}."
+        )
     if cfg.implementation == "fsdp" and cfg.reentrant:
         raise ConfigError(
             "activation_checkpointing.reentrant: implementation: fsdp uses FSDP2's checkpoint wrapper, which is "

@@ -50,10 +50,37 @@ class ModuleJournal:
             {d: tuple(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in self._modules
         ]
 
-    def restore(self) -> None:
-        """Remove hooks registered since the snapshot and put the recorded attributes back."""
+    def commit(self) -> None:
+        """Record what was installed since the snapshot as ours. From now on :meth:`restore` removes only that,
+        so hooks and attributes that others add later (``fully_shard`` in ``configure_model``, the user's own
+        ``setup``, other callbacks) survive our removal."""
+        self._ours_hooks: List[Dict[str, Tuple[Any, ...]]] = []
+        self._ours_attrs: List[Dict[str, Any]] = []
         for module, attrs, hooks in zip(self._modules, self._attrs, self._hooks):
+            added = {}
+            for dict_name, keys in hooks.items():
+                registry = getattr(module, dict_name, {})
+                added[dict_name] = tuple(k for k in registry if k not in keys)
+            self._ours_hooks.append(added)
+            self._ours_attrs.append(
+                {
+                    name: module.__dict__.get(name, _MISSING)
+                    for name, before in attrs.items()
+                    if module.__dict__.get(name, _MISSING) is not before
+                }
+            )
+        self._committed = True
+
+    def restore(self) -> None:
+        """Put back what we changed: after :meth:`commit`, only our hooks and the attributes we set (where they
+        still hold our value); before it (a failed apply), everything changed since the snapshot."""
+        committed = getattr(self, "_committed", False)
+        for index, (module, attrs, hooks) in enumerate(zip(self._modules, self._attrs, self._hooks)):
             for name, value in attrs.items():
+                if committed:
+                    ours = self._ours_attrs[index]
+                    if name not in ours or module.__dict__.get(name, _MISSING) is not ours[name]:
+                        continue  # not ours, or changed by someone else since: leave it
                 if value is _MISSING:
                     module.__dict__.pop(name, None)
                 else:
@@ -62,5 +89,9 @@ class ModuleJournal:
                 registry = getattr(module, dict_name, None)
                 if registry is None:
                     continue
-                for key in [k for k in registry if k not in keys]:
+                if committed:
+                    remove = [k for k in self._ours_hooks[index][dict_name] if k in registry]
+                else:
+                    remove = [k for k in registry if k not in keys]
+                for key in remove:
                     del registry[key]

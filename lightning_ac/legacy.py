@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, List
 
-from lightning_ac.config import CHECKPOINT_KWARGS, ConfigError, config_to_dict, parse_config
+from lightning_ac.config import CHECKPOINT_KWARGS, ConfigError, Placement, config_to_dict, parse_config, parse_placement
 
 __all__ = ["LEGACY_KEYS", "LegacyConfigWarning", "migrate_legacy"]
 
@@ -104,7 +104,7 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
     if gc == "offload_disk" or act_offload == "disk":
         key = "gradient_checkpointing: offload_disk" if gc == "offload_disk" else "activation_offloading: disk"
         raise ConfigError(f"{key}: rejected, {_DISK}. Use activation_checkpointing: {{offload: {{all: cpu}}}} instead.")
-    if gc not in (None, True, False, "offload"):
+    if not (gc is None or isinstance(gc, bool) or gc == "offload"):
         raise ConfigError(
             f"gradient_checkpointing: expected true, false or offload, got {gc!r}. "
             "Replace it with activation_checkpointing: true."
@@ -139,7 +139,10 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
         else:
             if "use_reentrant" in gc_kwargs:
                 block["reentrant"] = gc_kwargs.pop("use_reentrant")
-            if gc_kwargs.pop("offload", False):
+            if (
+                parse_placement(gc_kwargs.pop("offload", None), "gradient_checkpointing_kwargs.offload")
+                != Placement.none
+            ):
                 offload["hidden_states"] = "cpu"
             dropped = sorted(k for k in gc_kwargs if k not in CHECKPOINT_KWARGS | {"every_n_layers"})
             if dropped:
@@ -160,7 +163,7 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
             )
         if isinstance(selective, Mapping):
             selective = dict(selective)
-            if selective.pop("offload", False):
+            if parse_placement(selective.pop("offload", None), "selective_checkpointing.offload") != Placement.none:
                 offload["selective"] = "cpu"
             block["selective"] = selective if selective else True
         else:
@@ -168,7 +171,7 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
 
     # activation_offloading: true | legacy | hidden_states | disk
     if act_offload is not None and act_offload is not False:
-        if act_offload in (True, "legacy"):
+        if act_offload is True or act_offload == "legacy":
             offload["all"] = "cpu"
             if not recompute:
                 block["enabled"] = False

@@ -7,6 +7,7 @@ others find it applied. Removal happens once, in ``teardown`` or ``on_exception`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -116,20 +117,43 @@ class Plan:
         if self.applied or self._deferred:
             return
         self.check_strategy(trainer)
+        self._resolve_reentrant(trainer)
         self.module = module
         self.device = trainer.strategy.root_device
         if not self.config.enabled:
-            if self._offload_wanted():
-                self._apply_to(find_decoder_layers(module))
+            if not self._offload_wanted():
+                return
+            layers = find_decoder_layers(module)
+            if layers.hf_models or not _is_lightning_module(module):
+                self._apply_to(layers)
+            else:  # the model may be built in configure_model; the output head must be found to stay put
+                self._defer_until_configured(module, require_layers=False)
             return
         layers = self._find_layers(module)
         if len(layers):
             self._apply_to(layers)
-            return
-        if _overrides_configure_model(module):
+        elif _is_lightning_module(module):
+            # built later: in configure_model, or in LightningModule.setup (which runs after Callback.setup)
             self._defer_until_configured(module)
+        else:
+            raise self._no_layers_error(module)
+
+    def _resolve_reentrant(self, trainer: pl.Trainer) -> None:
+        """``reentrant: null`` means non-reentrant, except under DeepSpeed ZeRO-3, where non-reentrant recompute
+        raises a CheckpointError: there it means reentrant."""
+        strategy = trainer.strategy
+        config = getattr(strategy, "config", None) or {}
+        zero3 = type(strategy).__name__ == "DeepSpeedStrategy" and (
+            config.get("zero_optimization", {}).get("stage") == 3
+        )
+        if not (zero3 and self.config.enabled and self.config.reentrant is None):
             return
-        raise self._no_layers_error(module)
+        if self.config.selective is not None:
+            raise ConfigError(
+                "activation_checkpointing.selective needs non-reentrant checkpointing, which raises a CheckpointError "
+                "under DeepSpeed ZeRO-3. Remove selective, or use another strategy (FSDP)."
+            )
+        self.config = dataclasses.replace(self.config, reentrant=True)
 
     def _find_layers(self, module: nn.Module) -> DecoderLayers:
         from lightning_ac.callbacks import ActivationCheckpointing
@@ -144,7 +168,7 @@ class Plan:
             "layers=['<module name glob>'], e.g. layers=['model.blocks.*']."
         )
 
-    def _defer_until_configured(self, module: nn.Module) -> None:
+    def _defer_until_configured(self, module: nn.Module, require_layers: bool = True) -> None:
         original = module.configure_model
         plan = self
 
@@ -152,8 +176,8 @@ class Plan:
             module.__dict__.pop("configure_model", None)
             plan._deferred = False
             original()
-            layers = plan._find_layers(module)
-            if not len(layers):
+            layers = plan._find_layers(module) if require_layers else find_decoder_layers(module)
+            if require_layers and not len(layers):
                 raise plan._no_layers_error(module)
             plan._apply_to(layers)
 
@@ -199,6 +223,8 @@ class Plan:
                     if head is not None:  # the output head's activations stay on the device
                         self.offload.handles.extend(self.offload.all.pause_in(head))
             if not cfg.enabled:
+                assert self._journal is not None
+                self._journal.commit()
                 rank_zero_log(f"lightning_ac: {self.describe_offload()}, nothing recomputed")
                 return
             context_fn = None
@@ -222,6 +248,7 @@ class Plan:
                 engine = "torch"
                 checkpoint_fn = offloading_checkpoint(checkpoint, hidden) if hidden is not None else checkpoint
                 self.checkpointed = wrap_layers(modules, cfg, context_fn, checkpoint_fn)
+            self._journal.commit()
         except BaseException:
             self.remove()
             raise
@@ -255,22 +282,22 @@ class Plan:
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
-        if self.selective is not None:
-            self.selective.remove()
-            self.selective = None
-        if self._journal is not None:
-            self._journal.restore()
-            self._journal = None
+        offload, selective, journal = self.offload, self.selective, self._journal
+        self.offload = self.selective = self._journal = None
         self.checkpointed = []
+        try:
+            if offload is not None:
+                offload.close()
+        finally:
+            try:
+                if selective is not None:
+                    selective.remove()
+            finally:
+                if journal is not None:
+                    journal.restore()
 
 
-def _overrides_configure_model(module: nn.Module) -> bool:
-    try:
-        from lightning.pytorch import LightningModule
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(module, LightningModule) and is_overridden("configure_model", module)
+def _is_lightning_module(module: nn.Module) -> bool:
+    from lightning.pytorch import LightningModule
+
+    return isinstance(module, LightningModule)

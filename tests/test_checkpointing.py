@@ -338,3 +338,38 @@ def test_callbacks_from_config():
         callbacks_from_config(True, layer_offloading=True)
     with pytest.raises(ConfigError, match="layer_offloading"):
         callbacks_from_config(True, layer_offloading="yes")
+
+
+def test_hooks_added_by_others_after_setup_survive_removal(llama):
+    """Only what we installed is removed: a hook the user adds in LightningModule.setup stays."""
+    calls = []
+
+    class UserSetup(LM):
+        def setup(self, stage):
+            if not getattr(self, "_hooked", False):
+                self._hooked = True
+                self.model.model.norm.register_forward_hook(lambda *a: calls.append(1))
+
+    module = UserSetup(llama)
+    make_trainer([ActivationCheckpointing()]).fit(module, batches())
+    assert calls, "the user's hook ran during fit"
+    assert len(module.model.model.norm._forward_hooks) == 1, "and is still there after it"
+    assert not any(layer.gradient_checkpointing for layer in module.model.model.layers)
+
+
+class SetupBuiltLM(LM):
+    """Builds its model in LightningModule.setup, which Lightning runs after Callback.setup."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Identity())
+
+    def setup(self, stage):
+        if isinstance(self.model, nn.Identity):
+            self.model = tiny_model()
+
+
+def test_layers_created_in_lightning_module_setup():
+    module = SetupBuiltLM()
+    make_trainer([ActivationCheckpointing()]).fit(module, batches())
+    assert module.backward_ops[MM] == 82
+    assert "configure_model" not in module.__dict__

@@ -172,3 +172,16 @@ def test_config_error_is_a_value_error():
 
 def test_enabled_false_with_empty_kwargs_is_fine():
     assert parse_config({"enabled": False, "kwargs": {}}) == ActivationCheckpointingConfig(enabled=False)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"kwargs": {"debug": True}, "selective": True},
+        {"kwargs": {"debug": True}, "reentrant": True},
+    ],
+)
+def test_debug_is_rejected_where_torch_would_raise(value):
+    with pytest.raises(ConfigError, match="kwargs.debug"):
+        parse_config(value)
+    parse_config({"kwargs": {"debug": True}})  # fine with non-reentrant and no selective

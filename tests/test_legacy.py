@@ -196,3 +196,22 @@ def test_rejected_combinations(legacy, fragments):
         migrate_legacy(legacy)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "legacy, block",
+    [
+        ({"gradient_checkpointing": True, "selective_checkpointing": {"offload": "none"}}, {"selective": True}),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"offload": False}}, True),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"offload": "cpu"}},
+         {"offload": {"hidden_states": "cpu"}}),
+    ],
+)  # fmt: skip
+def test_legacy_offload_flags_are_parsed_not_truthy(legacy, block):
+    with pytest.warns(LegacyConfigWarning):
+        assert migrate_legacy(legacy)["activation_checkpointing"] == block
+
+
+def test_legacy_integers_are_not_booleans():
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        migrate_legacy({"gradient_checkpointing": 1})

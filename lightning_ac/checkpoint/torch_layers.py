@@ -35,6 +35,13 @@ def _checkpointed_forward(
         for flag in _CACHE_FLAGS:
             if kwargs.get(flag):
                 kwargs[flag] = False
+        if reentrant and any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values()):
+            raise RuntimeError(
+                f"{type(layer).__name__} was called with a tensor that requires grad as a keyword argument "
+                f"({', '.join(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)}); "
+                "reentrant checkpointing only passes gradients to positional inputs, so its gradient would be lost. "
+                "Use non-reentrant checkpointing (reentrant: false), or pass the tensor positionally."
+            )
         if reentrant:
             # Reentrant checkpoint only backpropagates into its region when an input requires grad. With a
             # frozen base (LoRA), the first layer's input does not, and the adapters' gradients would vanish.

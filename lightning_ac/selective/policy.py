@@ -247,7 +247,8 @@ class SelectivePolicy:
 
     def _enter_module(self, entry: str, module: nn.Module, args: Any) -> None:
         self._active[entry] += 1
-        self.module_rules[entry].hook_calls += 1
+        if torch._C._current_graph_task_id() == -1:  # the forward, not a recompute during backward
+            self.module_rules[entry].hook_calls += 1
 
     def _exit_module(self, entry: str, module: nn.Module, args: Any, output: Any) -> None:
         if self._active[entry] > 0:
