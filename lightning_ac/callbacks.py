@@ -22,6 +22,7 @@ class SuiteCallback(Callback):
 
     _plan: Optional[Plan] = None
     verbose: bool = False
+    prog_bar: bool = False
 
     def block(self) -> Dict[str, Any]:
         """This callback's part of the ``activation_checkpointing`` block."""
@@ -78,7 +79,10 @@ class SuiteCallback(Callback):
     ) -> None:
         if self._is_first(pl_module) and pl_module.device.type == "cuda":
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
-            pl_module.log("lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(
+                "lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1,
+                prog_bar=any(cb.prog_bar for cb in self._plan.callbacks),
+            )  # fmt: skip
 
     def _is_first(self, pl_module: pl.LightningModule) -> bool:
         return self._plan is not None and self._plan.callbacks[0] is self
@@ -99,6 +103,7 @@ class ActivationCheckpointing(SuiteCallback):
             over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers.
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
             offloaded where (rich when installed, plain text otherwise).
+        prog_bar: Show ``lightning_ac/peak_memory_bytes`` (logged each step on CUDA) in the progress bar.
 
     Raises:
         ConfigError: If an argument is invalid; the message names the argument and the fix.
@@ -117,6 +122,7 @@ class ActivationCheckpointing(SuiteCallback):
         selective: Any = None,
         layers: Optional[Sequence[LayerSpec]] = None,
         verbose: bool = False,
+        prog_bar: bool = False,
     ) -> None:
         if layers is not None:
             if isinstance(layers, (str, type)) or not all(isinstance(s, (str, type)) for s in layers):
@@ -135,6 +141,7 @@ class ActivationCheckpointing(SuiteCallback):
         )
         self.layers = layers
         self.verbose = bool(verbose)
+        self.prog_bar = bool(prog_bar)
 
     def block(self) -> Dict[str, Any]:
         cfg = self.config
@@ -190,6 +197,7 @@ class ActivationOffload(SuiteCallback):
         host_reserve_bytes: Host memory left free; offloading past ``MemAvailable`` minus this raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of an OOM kill.
         verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
+        prog_bar: Show ``lightning_ac/offload_bytes`` in the progress bar.
 
     Attributes:
         last_step: ``{"hidden_states": {"tensors": n, "bytes": n}, "selective": {...}, "all": {...}}`` for the
@@ -208,8 +216,10 @@ class ActivationOffload(SuiteCallback):
         max_pinned_bytes: int = 8 * 2**30,
         host_reserve_bytes: int = 2 * 2**30,
         verbose: bool = False,
+        prog_bar: bool = False,
     ) -> None:
         self.verbose = bool(verbose)
+        self.prog_bar = bool(prog_bar)
         self.offload = OffloadConfig(
             hidden_states=parse_placement(hidden_states, "ActivationOffload(hidden_states=...)"),
             selective=parse_placement(selective, "ActivationOffload(selective=...)"),
@@ -296,7 +306,14 @@ class ActivationOffload(SuiteCallback):
         if not self._reported_host_use:
             self._reported_host_use = True
             self._report_host_use(total)
-        pl_module.log("lightning_ac/offload_bytes", float(total), on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log(
+            "lightning_ac/offload_bytes",
+            float(total),
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            prog_bar=self.prog_bar,
+        )
         for target in runtime.targets:
             pl_module.log(
                 f"lightning_ac/offload_{target}_bytes", float(self.last_step[target]["bytes"]),

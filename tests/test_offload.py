@@ -361,3 +361,14 @@ def test_parameter_skips_follow_the_module_to_its_storage():
     runtime.start_step()
     assert runtime.engine.should_skip(linear.weight.detach().t())
     runtime.finish_step()
+
+
+def test_offload_bytes_in_the_progress_bar_when_asked(llama_reference):
+    base, _ = llama_reference
+    for prog_bar in (False, True):
+        module = LM(clone(base))
+        trainer = make_trainer(
+            [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True, prog_bar=prog_bar)]
+        )
+        trainer.fit(module, batches())
+        assert ("lightning_ac/offload_bytes" in trainer.progress_bar_metrics) is prog_bar
