@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, List
 
-from lightning_ac.config import CHECKPOINT_KWARGS, ConfigError, Placement, config_to_dict, parse_config, parse_placement
+from lightning_ac.config import CHECKPOINT_KWARGS, ConfigError, Placement, parse_config, parse_placement
 
 __all__ = ["LEGACY_KEYS", "LegacyConfigWarning", "migrate_legacy"]
 
@@ -207,8 +207,3 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
         message += "\nNote: " + "; ".join(notes) + "."
     warnings.warn(message, LegacyConfigWarning, stacklevel=2)
     return cfg
-
-
-def resolved_block(mapping: Any) -> Dict[str, Any]:
-    """The normalised block of a (possibly legacy) config as plain data."""
-    return config_to_dict(parse_config(migrate_legacy(mapping).get("activation_checkpointing")))

@@ -15,13 +15,19 @@ from lightning_ac import bench
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_benchmark_rows_files_and_exact_gradients(tmp_path, monkeypatch):
-    tiny = dict(
-        model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=128, max_position_embeddings=512),
-        seq=64, batch=1, dtype="float32", reps=2, steps=1,
+def tiny_preset(monkeypatch, hidden: int = 32, seq: int = 64, reps: int = 1) -> dict:
+    """Register a tiny Llama-style preset named "tiny" for the duration of a test."""
+    preset = dict(
+        model=dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
+        seq=seq, batch=1, dtype="float32", reps=reps, steps=1,
     )  # fmt: skip
-    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+    monkeypatch.setitem(bench.PRESETS, "tiny", preset)
+    return preset
+
+
+def test_benchmark_rows_files_and_exact_gradients(tmp_path, monkeypatch):
+    tiny_preset(monkeypatch, hidden=64, reps=2)
     rows = bench.main(
         ["--preset", "tiny", "--modes", "off", "full", "selective_attn", "hf_native_full", "torch_checkpoint_wrapper",
          "--out", str(tmp_path)]
@@ -84,12 +90,7 @@ def test_planner_picks_the_fastest_mode_that_fits():
 
 
 def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
-    tiny = dict(
-        model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
-        seq=64, batch=1, dtype="float32", reps=1, steps=1,
-    )  # fmt: skip
-    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+    tiny_preset(monkeypatch)
     bench.main(["--preset", "tiny", "--modes", "off", "full", "--budget-gib", "1", "--out", str(tmp_path)])
     plan = (tmp_path / "plan.txt").read_text()
     assert "Activation budget 1.00 GiB at 64 tokens" in plan and "Use: " in plan
@@ -97,12 +98,7 @@ def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
 
 
 def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):
-    tiny = dict(
-        model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
-        seq=32, batch=1, dtype="float32", reps=1, steps=1,
-    )  # fmt: skip
-    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+    tiny = tiny_preset(monkeypatch, seq=32)
     rows = bench.main(["--preset", "tiny", "--model", "qwen3", "--modes", "off", "full"])
     assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
     config = tmp_path / "gemma.json"
