@@ -1,0 +1,37 @@
+"""Run under `python -m torch.distributed.run --nproc_per_node 2`: DDP on CPU (gloo), with and without the suite.
+
+Writes one JSON line per rank to the path in argv[1]: final parameter checksums of both runs.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import LM, batches, clone, tiny_model  # noqa: E402
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload  # noqa: E402
+
+
+def train(base, callbacks):
+    module = LM(clone(base))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, batches(n=4))
+    return module, trainer
+
+
+base = tiny_model("llama", lora=True)
+plain, _ = train(base, [])
+suite, trainer = train(
+    base, [ActivationCheckpointing(selective=True), ActivationOffload(hidden_states="cpu", copy_on_host=True)]
+)
+same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), suite.parameters()))
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"rank": trainer.global_rank, "same": same, "losses": [plain.losses, suite.losses]}) + "\n")
