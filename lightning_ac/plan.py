@@ -107,10 +107,14 @@ class Plan:
                     f"activation_checkpointing.implementation: fsdp needs an FSDP strategy, but the Trainer uses "
                     f"{strategy}. Use implementation: hf, or train with strategy='fsdp' / ModelParallelStrategy."
                 )
-            raise ConfigError(
-                "activation_checkpointing.implementation: fsdp (FSDP2's checkpoint wrapper) is not available in "
-                "this version of lightning_ac yet. Use implementation: hf, which works under FSDP too."
-            )
+            if self.config.selective is not None:
+                # Measured on FSDP2 (gloo, CPU): the recompute's op order differs from the forward's under this
+                # wrapper, which selective checkpointing cannot tolerate; transformers' wrapper does not have it.
+                raise ConfigError(
+                    "activation_checkpointing.selective with implementation: fsdp is not supported yet (the recompute "
+                    "does not replay the forward's op order under FSDP2's wrapper). Use implementation: hf, which "
+                    "runs selective checkpointing under FSDP2."
+                )
 
     def apply(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Apply the plan to ``module``; defers to just after ``configure_model`` if the layers do not exist yet."""
@@ -235,7 +239,7 @@ class Plan:
                 self.selective.install()
                 context_fn = self.selective.context_fn
             hidden = self.offload.hidden_states if self.offload is not None else None
-            if layers.hf_models:
+            if layers.hf_models and cfg.implementation == "hf":
                 engine = "hf"
                 self.checkpointed = enable_hf_checkpointing(layers.hf_models, modules, cfg, context_fn)
                 if hidden is not None:
@@ -245,7 +249,9 @@ class Plan:
                                 layer._gradient_checkpointing_func, hidden
                             )
             else:
-                engine = "torch"
+                # plain torch layers, or implementation: fsdp: torch's non-reentrant checkpoint around each
+                # layer's forward, outside transformers; FSDP2's hooks stay outside the recompute
+                engine = "fsdp" if cfg.implementation == "fsdp" else "torch"
                 checkpoint_fn = offloading_checkpoint(checkpoint, hidden) if hidden is not None else checkpoint
                 self.checkpointed = wrap_layers(modules, cfg, context_fn, checkpoint_fn)
             self._journal.commit()

@@ -28,3 +28,25 @@ def test_ddp_two_processes_train_exactly_as_without_the_suite(tmp_path):
         assert rank["same"], "parameters after two DDP steps are bit-identical with SAC + hidden_states offload"
     # the suite logs on rank zero only
     assert (result.stdout + result.stderr).count("lightning_ac: checkpointing 4/4 decoder layers") == 1
+
+
+def test_fsdp2_implementation_and_selective_under_fully_shard(tmp_path):
+    out = tmp_path / "ranks.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "tests/scripts/fsdp_parity.py", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["mode"], r["rank"]) for r in rows) == [
+        ("fsdp", 0),
+        ("fsdp", 1),
+        ("hf_selective", 0),
+        ("hf_selective", 1),
+    ]
+    for row in rows:
+        assert row["same"], f"{row['mode']}: loss and gradients match an unmodified FSDP2 run"
+        assert not row["left_behind"], "nothing of ours remains on the layers after fit"
+    assert "checkpointing 4/4 decoder layers (fsdp, non-reentrant)" in result.stdout + result.stderr
