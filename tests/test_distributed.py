@@ -11,16 +11,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ddp_two_processes_train_exactly_as_without_the_suite(tmp_path):
+def run_two_ranks(script: str, tmp_path: Path):
+    """Launch ``tests/scripts/<script>`` on 2 CPU processes; returns the process and each rank's JSON rows."""
     out = tmp_path / "ranks.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "tests/scripts/ddp_parity.py", str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"tests/scripts/{script}", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads(line) for line in out.read_text().splitlines()]
+    return result, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_ddp_two_processes_train_exactly_as_without_the_suite(tmp_path):
+    result, ranks = run_two_ranks("ddp_parity.py", tmp_path)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for rank in ranks:
         plain, suite = rank["losses"]
@@ -31,15 +35,7 @@ def test_ddp_two_processes_train_exactly_as_without_the_suite(tmp_path):
 
 
 def test_fsdp2_implementation_and_selective_under_fully_shard(tmp_path):
-    out = tmp_path / "ranks.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "tests/scripts/fsdp_parity.py", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    result, rows = run_two_ranks("fsdp_parity.py", tmp_path)
     assert sorted((r["mode"], r["rank"]) for r in rows) == [
         ("fsdp", 0),
         ("fsdp", 1),

@@ -62,7 +62,7 @@ def register_mandatory_save(op: OpSpec) -> RegisteredSave:
         A handle whose ``remove()`` unregisters the save.
     """
     entry = RegisteredSave(_pattern(op), mandatory=True)
-    _REGISTRY.append(entry)
+    _REGISTRY.insert(sum(e.mandatory for e in _REGISTRY), entry)  # mandatory saves stay first
     return entry
 
 
@@ -81,5 +81,5 @@ def register_preferred_save(op: OpSpec) -> RegisteredSave:
 
 
 def registered_saves() -> List[RegisteredSave]:
-    """The registered saves, mandatory ones first."""
-    return sorted(_REGISTRY, key=lambda e: not e.mandatory)
+    """The registered saves, mandatory ones first (kept in that order: the policy reads this for every op)."""
+    return _REGISTRY
