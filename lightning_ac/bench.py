@@ -116,6 +116,9 @@ ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
 }
 ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"hf_native_offload": _hf_native_offload}
 MODES = {**SUITE_MODES, **ANCHORS}
+# Every mode this harness knows, whether or not it runs on this machine.
+ALL_SUITE_MODES = {**SUITE_MODES, **ACCELERATOR_SUITE_MODES}
+ALL_ANCHORS = {**ANCHORS, **ACCELERATOR_ANCHORS}
 
 
 @dataclass
@@ -192,10 +195,10 @@ def _run_mode(
 ):
     model = copy.deepcopy(base)
     callbacks: List[pl.Callback] = []
-    if mode in ANCHORS or mode in ACCELERATOR_ANCHORS:
-        {**ANCHORS, **ACCELERATOR_ANCHORS}[mode](model)
+    if mode in ALL_ANCHORS:
+        ALL_ANCHORS[mode](model)
     else:
-        callbacks = callbacks_from_config({**SUITE_MODES, **ACCELERATOR_SUITE_MODES}[mode])
+        callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     metrics = StepMetrics(measure_step=1 if measure else -1, warmup_steps=2)
     module = _BenchModule(model, capture)
     trainer = pl.Trainer(
@@ -235,12 +238,9 @@ def run_benchmark(
     if modes is None:
         modes = list(SUITE_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
         modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
-    unknown = [m for m in modes if m not in {**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS}]
+    unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
-        raise SystemExit(
-            f"unknown mode(s) {unknown}; choose from "
-            f"{sorted({**MODES, **ACCELERATOR_SUITE_MODES, **ACCELERATOR_ANCHORS})}"
-        )
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**ALL_SUITE_MODES, **ALL_ANCHORS})}")
     config = _model_config(preset, model)
     base = _build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -280,7 +280,7 @@ def run_benchmark(
         rows.append(
             Row(
                 mode=mode,
-                kind="anchor" if mode in ANCHORS or mode in ACCELERATOR_ANCHORS else "suite",
+                kind="anchor" if mode in ALL_ANCHORS else "suite",
                 peak_activation_bytes=peaks[mode],
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
                 max_grad_diff=diff,
@@ -401,10 +401,9 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         advice = explain(plan_mode(rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
         print(advice)
     if args.out:
-        if advice is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "plan.txt").write_text(advice + "\n")
         args.out.mkdir(parents=True, exist_ok=True)
+        if advice is not None:
+            (args.out / "plan.txt").write_text(advice + "\n")
         (args.out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
         plot(rows, args.out / "memory_time.png")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ac._logging import rank_zero_log
 from lightning_ac.config import ConfigError, OffloadConfig, Placement, config_to_dict, parse_config, parse_placement
 from lightning_ac.layers import LayerSpec
+from lightning_ac.offload.host_memory import available_host_bytes
 from lightning_ac.offload.runtime import TARGETS
 from lightning_ac.plan import Plan
+from lightning_ac.report import layer_rows, render_layer_table
 
 __all__ = ["ActivationCheckpointing", "ActivationOffload", "LayerOffload", "SuiteCallback", "callbacks_from_config"]
 
@@ -61,9 +65,6 @@ class SuiteCallback(Callback):
         plan = self._plan
         if plan is None or plan.callbacks[0] is not self or not any(cb.verbose for cb in plan.callbacks):
             return  # one table per run, from the first suite callback
-        from lightning_ac._logging import rank_zero_log
-        from lightning_ac.report import layer_rows, render_layer_table
-
         rows = layer_rows(plan)
         if rows:
             rank_zero_log(render_layer_table(rows))
@@ -71,20 +72,20 @@ class SuiteCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._is_first(pl_module) and pl_module.device.type == "cuda":
+        if self._is_first() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._is_first(pl_module) and pl_module.device.type == "cuda":
+        if self._is_first() and pl_module.device.type == "cuda":
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
             pl_module.log(
                 "lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1,
                 prog_bar=any(cb.prog_bar for cb in self._plan.callbacks),
             )  # fmt: skip
 
-    def _is_first(self, pl_module: pl.LightningModule) -> bool:
+    def _is_first(self) -> bool:
         return self._plan is not None and self._plan.callbacks[0] is self
 
 
@@ -162,10 +163,6 @@ class ActivationCheckpointing(SuiteCallback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("activation_checkpointing")
         if saved is not None and saved != config_to_dict(self.config):
-            import logging
-
-            from lightning_ac._logging import rank_zero_log
-
             rank_zero_log(
                 f"lightning_ac: resuming with activation_checkpointing {config_to_dict(self.config)}; the "
                 f"checkpoint was written with {saved}. Memory use and step time may differ; gradients do not.",
@@ -245,11 +242,6 @@ class ActivationOffload(SuiteCallback):
 
     def _report_host_use(self, step_bytes: int) -> None:
         """After the first step: how much host memory a step holds, and a warning when little is left."""
-        import logging
-
-        from lightning_ac._logging import rank_zero_log
-        from lightning_ac.offload import available_host_bytes
-
         available = available_host_bytes()
         free = f", {available / 2**30:.1f} GiB host memory available" if available is not None else ""
         rank_zero_log(f"lightning_ac: offloading {step_bytes / 2**20:.1f} MiB to host memory per step{free}")

@@ -30,7 +30,7 @@ from lightning_ac.selective.policy import SelectivePolicy
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_ac.callbacks import SuiteCallback
+    from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, SuiteCallback
 
 __all__ = ["Plan"]
 
@@ -52,6 +52,8 @@ class Plan:
 
     callbacks: List[SuiteCallback]
     config: ActivationCheckpointingConfig
+    checkpointing: Optional[ActivationCheckpointing] = None
+    offloading: Optional[ActivationOffload] = None
     module: Optional[nn.Module] = None
     layers: Optional[DecoderLayers] = None
     checkpointed: List[bool] = field(default_factory=list)
@@ -60,11 +62,12 @@ class Plan:
     device: Optional[torch.device] = None
     _journal: Optional[ModuleJournal] = None
     _deferred: bool = False
+    _offload_here: bool = False  # offload targets set, and useful on this device (decided once, in apply)
 
     @classmethod
     def gather(cls, trainer: pl.Trainer) -> Plan:
         """Collect the suite callbacks of ``trainer`` and validate their combination."""
-        from lightning_ac.callbacks import ActivationCheckpointing, SuiteCallback
+        from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, SuiteCallback
 
         callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
         seen: Dict[type, Any] = {}
@@ -76,7 +79,7 @@ class Plan:
                 )
             seen[type(cb)] = cb
         block: Dict[str, Any] = {}
-        checkpointing = next((cb for cb in callbacks if isinstance(cb, ActivationCheckpointing)), None)
+        checkpointing = seen.get(ActivationCheckpointing)
         if checkpointing is None:
             block["enabled"] = False
             needs = [cb.needs_checkpointing() for cb in callbacks if hasattr(cb, "needs_checkpointing")]
@@ -92,7 +95,7 @@ class Plan:
         for cb in callbacks:
             if not isinstance(cb, ActivationCheckpointing):
                 block.update(cb.block())
-        return cls(callbacks, parse_config(block))
+        return cls(callbacks, parse_config(block), checkpointing, seen.get(ActivationOffload))
 
     @property
     def applied(self) -> bool:
@@ -124,8 +127,9 @@ class Plan:
         self._resolve_reentrant(trainer)
         self.module = module
         self.device = trainer.strategy.root_device
+        self._offload_here = self._offload_wanted()
         if not self.config.enabled:
-            if not self._offload_wanted():
+            if not self._offload_here:
                 return
             layers = find_decoder_layers(module)
             if layers.hf_models or not _is_lightning_module(module):
@@ -160,10 +164,8 @@ class Plan:
         self.config = dataclasses.replace(self.config, reentrant=True)
 
     def _find_layers(self, module: nn.Module) -> DecoderLayers:
-        from lightning_ac.callbacks import ActivationCheckpointing
-
-        checkpointing = next(cb for cb in self.callbacks if isinstance(cb, ActivationCheckpointing))
-        return find_decoder_layers(module, checkpointing.layers)
+        assert self.checkpointing is not None
+        return find_decoder_layers(module, self.checkpointing.layers)
 
     def _no_layers_error(self, module: nn.Module) -> ConfigError:
         return ConfigError(
@@ -190,9 +192,7 @@ class Plan:
 
     def _offload_wanted(self) -> bool:
         """Whether any offload target is set and can do something on this device."""
-        from lightning_ac.callbacks import ActivationOffload
-
-        offload = next((cb for cb in self.callbacks if isinstance(cb, ActivationOffload)), None)
+        offload = self.offloading
         if offload is None or not offload.targets:
             return False
         if self.device is not None and self.device.type == "cpu" and not offload.copy_on_host:
@@ -204,11 +204,8 @@ class Plan:
         return True
 
     def _build_offload(self) -> OffloadRuntime:
-        from lightning_ac.callbacks import ActivationOffload
-
-        offload = next(cb for cb in self.callbacks if isinstance(cb, ActivationOffload))
-        assert self.module is not None and self.device is not None
-        runtime = OffloadRuntime(self.config.offload, self.device, **offload.runtime_kwargs())
+        assert self.offloading is not None and self.module is not None and self.device is not None
+        runtime = OffloadRuntime(self.config.offload, self.device, **self.offloading.runtime_kwargs())
         runtime.skip_module_tensors(self.module)
         return runtime
 
@@ -219,7 +216,7 @@ class Plan:
         self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES)
         modules = [m for _, m in layers.layers]
         try:
-            if self._offload_wanted():
+            if self._offload_here:
                 self.offload = self._build_offload()
             if self.offload is not None and self.offload.all is not None:
                 for model in layers.hf_models:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -27,6 +28,8 @@ MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_grouped_mm"})
 _BNB_GEMM = ("bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit", "bitsandbytes::int8_linear_matmul")
 
 
+# The policy classifies every op of every checkpointed forward: the answers per op are cached.
+@functools.lru_cache(maxsize=4096)
 def op_name(func: Any) -> str:
     """The qualified op name without overload, e.g. ``aten::mm``."""
     schema = getattr(func, "_schema", None)
@@ -39,11 +42,13 @@ def _is_backward(name: str) -> bool:
     return "backward" in name
 
 
+@functools.lru_cache(maxsize=4096)
 def is_attention(name: str) -> bool:
     """Whether ``name`` is an attention forward kernel that ``attention`` names."""
     return not _is_backward(name) and any(p in name for p in ATTENTION_PATTERNS)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_matmul(name: str) -> bool:
     """Whether ``name`` is a matmul that the module and threshold rules consider."""
     return name in MATMUL_OPS or any(name.startswith(p) for p in _BNB_GEMM)
