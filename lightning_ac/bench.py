@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib
+import importlib.util
 import json
 import logging
 import statistics
@@ -110,11 +112,44 @@ def _hf_native_offload(model: nn.Module) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
 
 
+def _external_offloader(module_name: str, make_context: Callable[[Any, nn.Module], Any], full: bool):
+    """An anchor running another project's activation offloader (TRL's, torchtune's) the way its trainer does:
+    a ``saved_tensors_hooks`` context entered around the model's forward. ``full`` adds transformers'
+    checkpointing underneath, the counterpart of ``offload_all``; without it the anchor mirrors ``offload_only``."""
+
+    def apply(model: nn.Module) -> None:
+        context = make_context(importlib.import_module(module_name), model)
+        if full:
+            _hf_native_full(model)
+        # The context is entered and left around each forward; the unpack hooks recorded with each saved tensor
+        # serve the backward, as in TRL's and torchtune's trainers.
+        model.register_forward_pre_hook(lambda *args: context.__enter__())
+        model.register_forward_hook(lambda *args: context.__exit__(None, None, None), always_call=True)
+
+    apply.requires = module_name.split(".")[0]  # type: ignore[attr-defined]
+    return apply
+
+
+def _trl_context(module: Any, model: nn.Module) -> Any:
+    return module.get_act_offloading_ctx_manager(model)
+
+
+def _torchtune_context(module: Any, model: nn.Module) -> Any:
+    return module.get_act_offloading_ctx_manager(model, enable_activation_offloading=True)
+
+
 ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "hf_native_full": _hf_native_full,
     "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
 }
-ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"hf_native_offload": _hf_native_offload}
+# Anchors that only mean something on an accelerator. The external offloaders run when their package is
+# installed; both are CUDA-only upstream (they create device streams at construction).
+ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
+    "hf_native_offload": _hf_native_offload,
+    "trl_offload_only": _external_offloader("trl.models.activation_offloading", _trl_context, full=False),
+    "trl_offload_full": _external_offloader("trl.models.activation_offloading", _trl_context, full=True),
+    "torchtune_offload_only": _external_offloader("torchtune.training", _torchtune_context, full=False),
+}
 MODES = {**SUITE_MODES, **ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
 ALL_SUITE_MODES = {**SUITE_MODES, **ACCELERATOR_SUITE_MODES}
@@ -190,6 +225,17 @@ def _build_model(config: Any, dtype: torch.dtype, seed: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(config).to(dtype)
 
 
+def _availability(mode: str, on_accelerator: bool) -> str:
+    """``"ok"``, or why this mode cannot run here (reported in its row instead of failing the run)."""
+    anchor = ALL_ANCHORS.get(mode)
+    if mode in ACCELERATOR_ANCHORS and not on_accelerator:
+        return "unavailable: needs a CUDA device"
+    package = getattr(anchor, "requires", None)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"unavailable: {package} is not installed"
+    return "ok"
+
+
 def _run_mode(
     mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measure: bool, capture: bool, accelerator: str
 ):
@@ -249,7 +295,10 @@ def run_benchmark(
     times: Dict[str, List[float]] = {m: [] for m in modes}
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
-    status: Dict[str, str] = {m: "ok" for m in modes}
+    status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
+    for mode in modes:
+        if status[mode] != "ok":
+            print(f"{mode}: {status[mode]}", file=sys.stderr, flush=True)
     for rep in range(reps):
         # Alternate the order so that drift (thermal, other load) does not favour the modes that run first.
         order = modes if rep % 2 == 0 else list(reversed(modes))
@@ -393,7 +442,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         seq = args.seq or PRESETS[preset]["seq"]
         batch = args.batch or PRESETS[preset]["batch"]
         # the scaling check: measure every mode's peak at half the sequence too
-        modes = [r.mode for r in rows]
+        modes = [r.mode for r in rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
         errors = scaling_errors(rows, half)
         planned = (args.plan_seq or seq) * batch

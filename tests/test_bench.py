@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -105,3 +106,19 @@ def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch)
     config.write_text(json.dumps({"model_type": "gemma3_text", **tiny["model"], "head_dim": 16}))
     rows = bench.main(["--preset", "tiny", "--model", str(config), "--modes", "off", "selective_attn"])
     assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
+
+
+def test_anchors_that_cannot_run_here_say_why(monkeypatch):
+    tiny_preset(monkeypatch, seq=32)
+    rows = bench.main(["--preset", "tiny", "--modes", "off", "hf_native_offload", "trl_offload_only"])
+    by = {r.mode: r for r in rows}
+    assert by["off"].status == "ok"
+    for mode in ("hf_native_offload", "trl_offload_only"):
+        assert by[mode].kind == "anchor" and by[mode].step_time_s is None
+        assert by[mode].status == "unavailable: needs a CUDA device"
+    # on an accelerator, an external offloader runs only when its package is installed
+    for mode, package in [("trl_offload_full", "trl"), ("torchtune_offload_only", "torchtune")]:
+        installed = importlib.util.find_spec(package) is not None
+        expected = "ok" if installed else f"unavailable: {package} is not installed"
+        assert bench._availability(mode, on_accelerator=True) == expected
+    assert bench._availability("full", on_accelerator=False) == "ok"

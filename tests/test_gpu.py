@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from conftest import clone, fit, tiny_model
@@ -92,3 +94,22 @@ def test_offload_lowers_peak_device_memory():
     only, _ = _peak_activation(base, [ActivationOffload(all="cpu", min_offload_bytes=0)])
     assert hidden < full, (hidden, full)
     assert only < off, (only, off)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl")
+def test_trl_offloader_anchor_runs_beside_our_offload_modes(monkeypatch):
+    from lightning_ac import bench
+
+    preset = dict(
+        model=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=4096),
+        seq=2048, batch=1, dtype="float32", reps=1, steps=1,
+    )  # fmt: skip
+    monkeypatch.setitem(bench.PRESETS, "gpu-tiny", preset)
+    modes = ["off", "offload_only", "offload_all", "trl_offload_only", "trl_offload_full"]
+    rows = {r.mode: r for r in bench.run_benchmark("gpu-tiny", modes)}
+    for mode in modes:
+        assert rows[mode].status == "ok", rows[mode]
+        assert rows[mode].max_grad_diff <= 1e-5, rows[mode]
+    for mode in modes[1:]:
+        assert rows[mode].peak_activation_bytes < rows["off"].peak_activation_bytes, mode
