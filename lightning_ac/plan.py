@@ -110,14 +110,6 @@ class Plan:
                     f"activation_checkpointing.implementation: fsdp needs an FSDP strategy, but the Trainer uses "
                     f"{strategy}. Use implementation: hf, or train with strategy='fsdp' / ModelParallelStrategy."
                 )
-            if self.config.selective is not None:
-                # Measured on FSDP2 (gloo, CPU): the recompute's op order differs from the forward's under this
-                # wrapper, which selective checkpointing cannot tolerate; transformers' wrapper does not have it.
-                raise ConfigError(
-                    "activation_checkpointing.selective with implementation: fsdp is not supported yet (the recompute "
-                    "does not replay the forward's op order under FSDP2's wrapper). Use implementation: hf, which "
-                    "runs selective checkpointing under FSDP2."
-                )
 
     def apply(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Apply the plan to ``module``; defers to just after ``configure_model`` if the layers do not exist yet."""

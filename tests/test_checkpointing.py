@@ -307,6 +307,36 @@ def test_fsdp_implementation_needs_an_fsdp_strategy(llama):
     assert model_fingerprint(module) == fingerprint
 
 
+@pytest.mark.parametrize("selective", [False, True])
+def test_layer_wrapper_keeps_the_kv_cache_out_of_the_recompute(selective):
+    """The wrapper behind ``implementation: fsdp`` on transformers layers, with the model's cache on (the default
+    for a forward without ``use_cache=False``): the recompute must not write the cache a second time, and nothing
+    in the cache may hold the layers' keys and values until backward."""
+    from lightning_ac.checkpoint.torch_layers import wrap_layers
+    from lightning_ac.config import parse_config
+    from lightning_ac.layers import find_decoder_layers
+    from lightning_ac.selective.apply import build_policy
+
+    base = tiny_model("llama")
+    ids = batches().dataset.tensors[0][:2]
+    reference = clone(base).train()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    model = clone(base).train()
+    config = parse_config({"selective": True} if selective else True)
+    layers = find_decoder_layers(model)
+    context_fn = None
+    if selective:
+        policy = build_policy(config.selective, model, layers, [True] * len(layers), None)
+        policy.install()
+        context_fn = policy.context_fn
+    wrap_layers([m for _, m in layers.layers], config, context_fn)
+    out = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 0
+    out.loss.backward()
+    for (name, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -19,8 +19,13 @@ from lightning_ac.config import ActivationCheckpointingConfig
 __all__ = ["wrap_layers", "TORCH_ATTRIBUTES"]
 
 TORCH_ATTRIBUTES = ("forward",)
-# Keyword arguments that would make a layer write to a KV cache twice (once more in the recompute).
+# Keyword arguments through which a layer writes to a KV cache. Under checkpointing the recompute would write it a
+# second time (transformers then slices the doubled keys back, an op the forward never ran, which selective
+# checkpointing rejects), and the cache, bound into the recompute, would keep every layer's keys and values alive
+# until backward. Like transformers' own wrapper, a checkpointed call runs without them; transformers' layers that
+# only read the cache say so with ``_can_checkpoint_with_cache``.
 _CACHE_FLAGS = ("use_cache",)
+_CACHE_OBJECTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _checkpointed_forward(
@@ -35,6 +40,10 @@ def _checkpointed_forward(
         for flag in _CACHE_FLAGS:
             if kwargs.get(flag):
                 kwargs[flag] = False
+        if not getattr(layer, "_can_checkpoint_with_cache", False):
+            for name in _CACHE_OBJECTS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
         if reentrant and any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values()):
             raise RuntimeError(
                 f"{type(layer).__name__} was called with a tensor that requires grad as a keyword argument "

@@ -1,5 +1,6 @@
 """Run under `python -m torch.distributed.run --nproc_per_node 2`: FSDP2 (ModelParallelStrategy) on CPU with gloo,
-the model sharded with fully_shard in configure_model; `implementation: fsdp` against no checkpointing.
+the model sharded with fully_shard in configure_model; `implementation: fsdp` (alone, with selective checkpointing,
+and with selective + hidden_states offload) and `hf` + selective, each against no checkpointing.
 
 Writes one JSON line per rank to the path in argv[1].
 """
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import LM, batches, clone, tiny_model  # noqa: E402
 
-from lightning_ac import ActivationCheckpointing  # noqa: E402
+from lightning_ac import ActivationCheckpointing, ActivationOffload  # noqa: E402
 
 
 class ShardedLM(LM):
@@ -30,8 +31,9 @@ class ShardedLM(LM):
         fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
     def on_after_backward(self):
-        if self.grads is None:
+        if self.grads is None:  # gather the sharded gradients; the parent then only stops the op counter
             self.grads = {n: p.grad.full_tensor().clone() for n, p in self.named_parameters() if p.grad is not None}
+        super().on_after_backward()
 
 
 def train(base, callbacks):
@@ -45,17 +47,32 @@ def train(base, callbacks):
     return module, trainer
 
 
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 MODES = {
-    "fsdp": lambda: ActivationCheckpointing(implementation="fsdp", kwargs={"every_n_layers": 1}),
-    "hf_selective": lambda: ActivationCheckpointing(selective=True),
+    "fsdp": lambda: [ActivationCheckpointing(implementation="fsdp", kwargs={"every_n_layers": 1})],
+    "fsdp_selective": lambda: [ActivationCheckpointing(implementation="fsdp", selective=True)],
+    "fsdp_selective_offload": lambda: [
+        ActivationCheckpointing(implementation="fsdp", selective=True),
+        ActivationOffload(hidden_states="cpu", selective="cpu", copy_on_host=True),
+    ],
+    "hf_selective": lambda: [ActivationCheckpointing(selective=True)],
 }
 base = tiny_model("llama")
 plain, _ = train(base, [])
 for name, make in MODES.items():
-    suite, trainer = train(base, [make()])
+    callbacks = make()
+    suite, trainer = train(base, callbacks)
     same = plain.losses == suite.losses and all(torch.equal(g, suite.grads[n]) for n, g in plain.grads.items())
     layer = suite.model.model.layers[0]
     left_behind = "forward" in layer.__dict__ or layer.gradient_checkpointing
-    row = {"rank": trainer.global_rank, "mode": name, "same": same, "left_behind": left_behind}
+    offload = next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None)
+    row = {
+        "rank": trainer.global_rank,
+        "mode": name,
+        "same": same,
+        "left_behind": left_behind,
+        "attention_replayed": suite.backward_ops.get(SDPA, 0),
+        "offloaded": {k: v["tensors"] for k, v in offload.items()} if offload else None,
+    }
     with open(sys.argv[1], "a") as f:
         f.write(json.dumps(row) + "\n")
