@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-COLUMNS = ("job", "mode", "model", "steps", "final_loss", "peak_activation_bytes", "peak_memory_bytes", "step_time_s")
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+COLUMNS = (
+    "job", "mode", "model", "steps", "final_loss", "peak_activation_bytes", "peak_memory_bytes", "step_time_s", "error",
+)  # fmt: skip
 
 
 def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
@@ -35,7 +41,7 @@ def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['job']}: {r['mode']}" for r in rows]
+    labels = [f"{r['job']}: {r['mode']}" + (" (failed)" if r["error"] else "") for r in rows]
     memory = [(r["peak_activation_bytes"] or 0) / 2**20 for r in rows]
     times = [(r["step_time_s"] or 0) * 1000 for r in rows]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 0.6 * len(rows) + 2))
@@ -50,3 +56,14 @@ def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+class FailedJobs(Callback):
+    """Hydra callback: after a sweep, list the jobs that stopped on a bad value and exit with status 2."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = [r for r in collect(Path(config.hydra.sweep.dir)) if r["error"]]
+        if failed:
+            lines = "\n".join(f"  job {r['job']} ({r['mode']}): {r['error']}" for r in failed)
+            print(f"error: {len(failed)} sweep job(s) stopped on a bad value:\n{lines}", file=sys.stderr)
+            sys.exit(2)

@@ -7,7 +7,9 @@
 
 The model is built from a config (random init, no download) and trained on English prose that ships with
 Python: the docstrings of standard-library modules, as bytes. Each run writes ``summary.json`` to its
-output directory; a multirun also writes ``sweep_summary.csv`` and ``sweep_summary.png`` to the sweep dir.
+output directory; a multirun also writes ``sweep_summary.csv`` and ``sweep_summary.png`` to the sweep dir. A bad
+value stops a single run with exit status 2 before training; in a sweep, that job is recorded as failed, the others
+run, and the sweep exits with status 2 at the end.
 """
 
 from __future__ import annotations
@@ -143,7 +145,14 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         # A bad value is the user's to fix: say what and how, without a traceback.
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            sys.exit(2)
+        # In a sweep the other jobs still run: this one is recorded as failed in the sweep summary, and the
+        # sweep exits with status 2 once every job has run (sweep.FailedJobs).
+        choices = HydraConfig.get().runtime.choices
+        failed = {"mode": choices.get("activation_checkpointing"), "model": choices.get("model"), "error": str(err)}
+        (Path(HydraConfig.get().runtime.output_dir) / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
+        write_sweep_summary(Path(HydraConfig.get().sweep.dir))
 
 
 if __name__ == "__main__":

@@ -204,3 +204,17 @@ def test_multirun_writes_sweep_summary(tmp_path):
     assert memory["full"] <= memory["selective_attn"] < memory["off"]
     assert (sweep / "sweep_summary.png").stat().st_size > 1000
     assert result.returncode == 0
+
+
+def test_multirun_records_a_bad_value_and_runs_the_other_jobs(tmp_path):
+    result = train(
+        tmp_path, "activation_checkpointing=full", "activation_checkpointing.offload.hidden_states=disk,none",
+        multirun=True,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "sweep_summary.csv")))
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert "'disk' is rejected" in rows[0]["error"] and rows[0]["steps"] == ""
+    assert rows[1]["error"] == "" and rows[1]["steps"] == "4", "the job after the bad one still trains"
+    assert "1 sweep job(s) stopped on a bad value:\n  job 0 (full): activation_checkpointing.offload" in result.stderr
