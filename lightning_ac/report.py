@@ -50,7 +50,7 @@ def _saves(plan: Plan, index: int, layer_type: Optional[str], recomputed: bool) 
             parts.append(entry)
     layer = policy.layers[index]
     inside = {id(m) for m in layer.modules()}
-    for entry, modules in policy._matched_modules.items():
+    for entry, modules in policy.matched_modules.items():
         count = sum(id(m) in inside for m in modules)
         if count:
             parts.append(f"{entry} ({count} module{'s' if count > 1 else ''})")

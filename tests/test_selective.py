@@ -283,6 +283,35 @@ def test_model_left_as_found_after_selective(llama):
     assert model_fingerprint(module) == fingerprint
 
 
+class TwoBackwards(LM):
+    """Backpropagates the same loss twice (``retain_graph=True``), as a user computing two gradients might."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(loss)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_second_backward_through_a_selective_region_says_why(llama, offload):
+    from lightning_ac import ActivationOffload
+
+    module = TwoBackwards(llama)
+    fingerprint = model_fingerprint(module)
+    callbacks = [ActivationCheckpointing(selective=True)]
+    if offload:
+        callbacks.append(ActivationOffload(selective="cpu", copy_on_host=True))
+    # torch's own rule for selective checkpointing, in torch's words (not an error from inside contextlib)
+    with pytest.raises(RuntimeError, match="only allowed to backward once on any region computed under selective"):
+        make_trainer(callbacks).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
 def test_compiled_layers_are_refused(llama):
     llama.model.layers[1].compile()
     module = LM(llama)

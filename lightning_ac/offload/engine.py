@@ -233,6 +233,10 @@ class TransferEngine:
             packed.copy.device_data = None  # the last save that needs it holds it now
         return out
 
+    def start_reload(self, packed: Packed) -> None:
+        """Start bringing a packed tensor's bytes back to the device ahead of its :meth:`unpack`."""
+        self._reload(packed.copy)
+
     # -- internals ----------------------------------------------------------------------------------------
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from lightning_ac._reenterable import Reenterable
 from lightning_ac.offload.engine import Packed, TransferEngine
 
 __all__ = ["SavedTensorOffloader", "offloading_checkpoint", "offloading_sac_storage"]
@@ -170,7 +171,7 @@ class _HostStorage(dict):
     def prefetch(self) -> None:
         for slots in self.values():
             for packed in slots.packed():
-                self.engine._reload(packed.copy)
+                self.engine.start_reload(packed)
 
 
 def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., Any]], Tuple[Any, Any]]:
@@ -195,9 +196,8 @@ def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., An
     def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:
         storage = _HostStorage(engine)
         regions.append(storage)  # cleared at each step start
-        return _CachingTorchDispatchMode(policy_fn, storage), recompute(
-            _CachedTorchDispatchMode(None, storage), storage
-        )
+        cached = _CachedTorchDispatchMode(None, storage)
+        return _CachingTorchDispatchMode(policy_fn, storage), Reenterable(lambda: recompute(cached, storage))
 
     factory.reset = regions.clear  # type: ignore[attr-defined]
     return factory

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
 from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
 from lightning_ac.selective.registry import RegisteredSave, registered_saves
@@ -179,14 +180,15 @@ class SelectivePolicy:
         self.recomputes = 0
         self.diagnosed = False
         self._module_names = module_names
-        self._matched_modules: Dict[str, List[nn.Module]] = {}
+        # For each save_modules entry, the modules whose matmuls it saves (filled by install)
+        self.matched_modules: Dict[str, List[nn.Module]] = {}
         self._active: Counter = Counter()
         self._current_layer: Optional[int] = None
         self._handles: List[Any] = []
 
     # -- install / remove -------------------------------------------------------------------------------
 
-    def matched_modules(self) -> Dict[str, List[nn.Module]]:
+    def _match_modules(self) -> Dict[str, List[nn.Module]]:
         """For each ``save_modules`` entry, the modules whose matmuls it saves (PEFT layers resolved to
         their ``base_layer``), only from inside the decoder layers."""
         tuner = _peft_tuner_class()
@@ -214,8 +216,8 @@ class SelectivePolicy:
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
             self._handles.append(layer.register_forward_hook(self._exit_layer, always_call=True))
-        self._matched_modules = self.matched_modules()
-        for entry, modules in self._matched_modules.items():
+        self.matched_modules = self._match_modules()
+        for entry, modules in self.matched_modules.items():
             rule = self.module_rules[entry]
             rule.modules = len(modules)
             for module in modules:
@@ -223,7 +225,7 @@ class SelectivePolicy:
                 self._handles.append(
                     module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
                 )
-        unmatched = [entry for entry, modules in self._matched_modules.items() if not modules]
+        unmatched = [entry for entry, modules in self.matched_modules.items() if not modules]
         for entry in unmatched:
             self._warn(
                 f"selective.save_modules entry {entry!r} matched no module inside the decoder layers, so it saves "
@@ -319,7 +321,8 @@ class SelectivePolicy:
             return CheckpointPolicy.MUST_SAVE if rule.mandatory else CheckpointPolicy.PREFER_SAVE
 
         storage_forward, storage_recompute = self.storage_factory(policy_fn)
-        return self._forward_context(region, storage_forward), self._recompute_context(region, storage_recompute)
+        recompute = Reenterable(functools.partial(self._recompute_context, region, storage_recompute))
+        return self._forward_context(region, storage_forward), recompute
 
     @contextlib.contextmanager
     def _forward_context(self, region: _Region, storage: Any) -> Iterator[None]:
