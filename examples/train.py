@@ -37,6 +37,7 @@ from lightning_ac import (  # noqa: E402
     ActivationCheckpointingConfig,
     ActivationOffload,
     ConfigError,
+    LayerOffload,
     callbacks_from_config,
     migrate_legacy,
 )
@@ -115,6 +116,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
         "offload": next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None),
+        "layer_offload": next((cb.last_step for cb in callbacks if isinstance(cb, LayerOffload)), None),
         "steps": trainer.global_step,
         "first_loss": metrics.losses[0] if metrics.losses else None,
         "final_loss": metrics.losses[-1] if metrics.losses else None,

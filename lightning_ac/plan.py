@@ -21,20 +21,23 @@ from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
 from lightning_ac.checkpoint.torch_layers import TORCH_ATTRIBUTES
 from lightning_ac.config import ActivationCheckpointingConfig, ConfigError, parse_config
 from lightning_ac.journal import ModuleJournal
-from lightning_ac.layers import DecoderLayers, find_decoder_layers
+from lightning_ac.layers import DecoderLayers, LayerSpec, find_decoder_layers
+from lightning_ac.offload.layer_params import LayerParamStreamer, frozen_layer_parameters
 from lightning_ac.offload.runtime import OffloadRuntime
 from lightning_ac.offload.targets import offloading_checkpoint
-from lightning_ac.selective.apply import build_policy
+from lightning_ac.selective.apply import build_policy, compiled_layers
 from lightning_ac.selective.policy import SelectivePolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, SuiteCallback
+    from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, LayerOffload, SuiteCallback
 
 __all__ = ["Plan"]
 
 _FSDP_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+# Strategies that shard parameters: layer offloading moves whole parameters and cannot work on shards.
+_SHARDING_STRATEGIES = (*_FSDP_STRATEGIES, "DeepSpeedStrategy")
 
 
 @dataclass
@@ -48,17 +51,20 @@ class Plan:
         checkpointed: For each layer, whether it is recomputed in backward.
         selective: The selective checkpointing policy in force, if any (its ``report()`` shows what each
             layer saves).
+        layer_streamer: The layer-offloading runtime in force, if any.
     """
 
     callbacks: List[SuiteCallback]
     config: ActivationCheckpointingConfig
     checkpointing: Optional[ActivationCheckpointing] = None
     offloading: Optional[ActivationOffload] = None
+    layer_offloading: Optional[LayerOffload] = None
     module: Optional[nn.Module] = None
     layers: Optional[DecoderLayers] = None
     checkpointed: List[bool] = field(default_factory=list)
     selective: Optional[SelectivePolicy] = None
     offload: Optional[OffloadRuntime] = None
+    layer_streamer: Optional[LayerParamStreamer] = None
     device: Optional[torch.device] = None
     _journal: Optional[ModuleJournal] = None
     _deferred: bool = False
@@ -67,7 +73,7 @@ class Plan:
     @classmethod
     def gather(cls, trainer: pl.Trainer) -> Plan:
         """Collect the suite callbacks of ``trainer`` and validate their combination."""
-        from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, SuiteCallback
+        from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, LayerOffload, SuiteCallback
 
         callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
         seen: Dict[type, Any] = {}
@@ -95,7 +101,7 @@ class Plan:
         for cb in callbacks:
             if not isinstance(cb, ActivationCheckpointing):
                 block.update(cb.block())
-        return cls(callbacks, parse_config(block), checkpointing, seen.get(ActivationOffload))
+        return cls(callbacks, parse_config(block), checkpointing, seen.get(ActivationOffload), seen.get(LayerOffload))
 
     @property
     def applied(self) -> bool:
@@ -110,6 +116,20 @@ class Plan:
                     f"activation_checkpointing.implementation: fsdp needs an FSDP strategy, but the Trainer uses "
                     f"{strategy}. Use implementation: hf, or train with strategy='fsdp' / ModelParallelStrategy."
                 )
+        if self.layer_offloading is not None:
+            if strategy in _SHARDING_STRATEGIES:
+                raise ConfigError(
+                    f"layer_offloading: true moves whole frozen parameters to host memory, but {strategy} shards "
+                    "them. Use the strategy's own CPU offload (FSDP's CPUOffloadPolicy, DeepSpeed's offload_param) "
+                    "and set layer_offloading: false."
+                )
+            device = trainer.strategy.root_device
+            if device.type == "cpu" and not self.layer_offloading.copy_on_host:
+                raise ConfigError(
+                    "layer_offloading: true needs an accelerator: on a CPU-only trainer the parameters already live "
+                    "in host memory. Set layer_offloading: false, or pass LayerOffload(copy_on_host=True) to run "
+                    "the copies anyway (tests, debugging)."
+                )
 
     def apply(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Apply the plan to ``module``; defers to just after ``configure_model`` if the layers do not exist yet."""
@@ -120,7 +140,7 @@ class Plan:
         self.module = module
         self.device = trainer.strategy.root_device
         self._offload_here = self._offload_wanted()
-        if not self.config.enabled:
+        if not self.config.enabled and self.layer_offloading is None:  # offloading without recompute only
             if not self._offload_here:
                 return
             layers = find_decoder_layers(module)
@@ -155,13 +175,23 @@ class Plan:
             )
         self.config = dataclasses.replace(self.config, reentrant=True)
 
+    def _layer_spec(self) -> Optional[List[LayerSpec]]:
+        """``layers=`` as given to ActivationCheckpointing, else to LayerOffload (they must agree)."""
+        given = [cb for cb in (self.checkpointing, self.layer_offloading) if cb is not None and cb.layers is not None]
+        if len(given) == 2 and given[0].layers != given[1].layers:
+            raise ConfigError(
+                f"ActivationCheckpointing(layers={given[0].layers!r}) and LayerOffload(layers={given[1].layers!r}) "
+                "name different decoder layers. Pass layers= to one of them, or the same value to both."
+            )
+        return given[0].layers if given else None
+
     def _find_layers(self, module: nn.Module) -> DecoderLayers:
-        assert self.checkpointing is not None
-        return find_decoder_layers(module, self.checkpointing.layers)
+        return find_decoder_layers(module, self._layer_spec())
 
     def _no_layers_error(self, module: nn.Module) -> ConfigError:
+        name = type(self.checkpointing or self.layer_offloading).__name__
         return ConfigError(
-            f"ActivationCheckpointing found no decoder layers in {type(module).__name__}: it finds transformers "
+            f"{name} found no decoder layers in {type(module).__name__}: it finds transformers "
             "models (plain or PEFT-wrapped) on its own. For other models pass layers=[<layer class>] or "
             "layers=['<module name glob>'], e.g. layers=['model.blocks.*']."
         )
@@ -215,10 +245,14 @@ class Plan:
                     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
                     if head is not None:  # the output head's activations stay on the device
                         self.offload.handles.extend(self.offload.all.pause_in(head))
+            if self.layer_offloading is not None:
+                self._install_layer_streamer(modules)
             if not cfg.enabled:
                 assert self._journal is not None
                 self._journal.commit()
-                rank_zero_log(f"lightning_ac: {self.describe_offload()}, nothing recomputed")
+                if self.offload is not None:
+                    rank_zero_log(f"lightning_ac: {self.describe_offload()}, nothing recomputed")
+                self._log_layer_offload()
                 return
             context_fn = None
             if cfg.selective is not None:
@@ -252,6 +286,41 @@ class Plan:
             f"lightning_ac: checkpointing {sum(self.checkpointed)}/{len(modules)} decoder layers "
             f"({self.describe(engine)}){offloaded}"
         )
+        self._log_layer_offload()
+
+    def _install_layer_streamer(self, modules: List[nn.Module]) -> None:
+        assert self.layer_offloading is not None and self.device is not None
+        compiled = compiled_layers(modules)
+        if compiled:
+            raise ConfigError(
+                f"layer_offloading: decoder layers {compiled} are compiled with torch.compile, but layer offloading "
+                "swaps each parameter's data between host and device memory around every call, which compiled "
+                "graphs are not built for (they guard on devices and addresses). Set layer_offloading: false, or "
+                "leave the decoder layers uncompiled."
+            )
+        params = frozen_layer_parameters(modules)
+        if not any(params):
+            raise ConfigError(
+                f"layer_offloading: true streams the frozen parameters of the decoder layers, but all "
+                f"{len(modules)} layers train every parameter, so there is nothing to offload. Use it with "
+                "frozen base weights (LoRA/QLoRA adapters), or set layer_offloading: false."
+            )
+        self.layer_streamer = LayerParamStreamer(
+            modules, params, self.device, copy_on_host=self.layer_offloading.copy_on_host
+        )
+        self.layer_streamer.install()
+
+    def _log_layer_offload(self) -> None:
+        streamer = self.layer_streamer
+        if streamer is None:
+            return
+        with_params = [layer for layer in streamer.layers if layer.params]
+        total = sum(p.numel() * p.element_size() for layer in with_params for p in layer.params)
+        where = "copies on host" if self.device is not None and self.device.type == "cpu" else str(self.device)
+        rank_zero_log(
+            f"lightning_ac: layer offloading: frozen parameters of {len(with_params)}/{len(streamer.layers)} decoder "
+            f"layers ({total / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time"
+        )
 
     def describe_offload(self) -> str:
         """Which targets move to the host, as the log line shows them."""
@@ -277,19 +346,29 @@ class Plan:
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
-        offload, selective, journal = self.offload, self.selective, self._journal
-        self.offload = self.selective = self._journal = None
+        offload, selective, journal, streamer = self.offload, self.selective, self._journal, self.layer_streamer
+        self.offload = self.selective = self._journal = self.layer_streamer = None
         self.checkpointed = []
+        # Each step runs even if an earlier one raised; parameters go back on the device first.
+        steps = [
+            streamer.close if streamer is not None else None,
+            offload.close if offload is not None else None,
+            selective.remove if selective is not None else None,
+            journal.restore if journal is not None else None,
+        ]
+        _run_all([step for step in steps if step is not None])
+
+
+def _run_all(steps: List[Any]) -> None:
+    """Call every step; re-raise the first exception after all have run."""
+    error: Optional[BaseException] = None
+    for step in steps:
         try:
-            if offload is not None:
-                offload.close()
-        finally:
-            try:
-                if selective is not None:
-                    selective.remove()
-            finally:
-                if journal is not None:
-                    journal.restore()
+            step()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the other steps
+            error = error or err
+    if error is not None:
+        raise error
 
 
 def _is_lightning_module(module: nn.Module) -> bool:

@@ -62,11 +62,15 @@ def _saves(plan: Plan, index: int, layer_type: Optional[str], recomputed: bool) 
     return ", ".join(parts) or "registered ops only"
 
 
-def _offloaded(plan: Plan, recomputed: bool) -> str:
-    if plan.offload is None:
-        return "—"
-    off = plan.config.offload
+def _offloaded(plan: Plan, index: int, recomputed: bool) -> str:
     parts = []
+    streamer = plan.layer_streamer
+    if streamer is not None and index < len(streamer.layers) and streamer.layers[index].params:
+        frozen = sum(p.numel() * p.element_size() for p in streamer.layers[index].params)
+        parts.append(f"frozen params ({frozen / 2**20:.1f} MiB) ↔ cpu")
+    if plan.offload is None:
+        return ", ".join(parts) or "—"
+    off = plan.config.offload
     if off.hidden_states != Placement.none and recomputed:
         parts.append("input → cpu")
     if off.all != Placement.none:
@@ -91,7 +95,7 @@ def layer_rows(plan: Plan) -> List[LayerRow]:
                 layer_type or "—",
                 recomputed,
                 _saves(plan, index, layer_type, recomputed),
-                _offloaded(plan, recomputed),
+                _offloaded(plan, index, recomputed),
             )
         )
     return rows

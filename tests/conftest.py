@@ -110,6 +110,14 @@ class LM(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
+def assert_same_training(reference: LM, run: LM) -> None:
+    """Same losses and bit-identical gradients of the first step."""
+    assert reference.losses == run.losses
+    assert reference.grads.keys() == run.grads.keys()
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
 def batches(n: int = 4, seed: int = 1) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n * BATCH, SEQ), generator=g)

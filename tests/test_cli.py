@@ -123,12 +123,20 @@ def test_offload_modes(tmp_path, overrides, targets):
         assert (copied["offload"][target]["bytes"] > 0) == targets.get(target, False), target
 
 
-def test_layer_offloading_not_yet_available(tmp_path):
-    result = train(tmp_path, "activation_checkpointing=full", "layer_offloading=true")
+def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
+    result = train(tmp_path / "cpu", "activation_checkpointing=full", "layer_offloading=true")
     assert result.returncode == 2
-    assert "layer_offloading: true is not available" in result.stderr
+    assert "layer_offloading: true needs an accelerator" in result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "cpu" / "run" / "summary.json").exists()
+    # forced copies on CPU: the whole path but the streams, and training exactly as without it
+    forced_overrides = ("activation_checkpointing=full", "layer_offloading=true", "offload_copy_on_host=true")
+    ok(train(tmp_path / "forced", *forced_overrides))
+    ok(train(tmp_path / "plain", "activation_checkpointing=full"))
+    forced, plain = summary(tmp_path / "forced"), summary(tmp_path / "plain")
+    assert forced["layer_offloading"] is True and plain["layer_offload"] is None
+    assert forced["layer_offload"]["loads"] == 4 and forced["layer_offload"]["max_resident_layers"] == 2
+    assert forced["final_loss"] == plain["final_loss"]
 
 
 @pytest.mark.parametrize(

@@ -113,3 +113,28 @@ def test_trl_offloader_anchor_runs_beside_our_offload_modes(monkeypatch):
         assert rows[mode].max_grad_diff <= 1e-5, rows[mode]
     for mode in modes[1:]:
         assert rows[mode].peak_activation_bytes < rows["off"].peak_activation_bytes, mode
+
+
+# -- layer offloading on the real stream path -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_layer_offload_on_cuda_is_exact_and_frees_the_frozen_weights(checkpointing):
+    from lightning_ac import LayerOffload
+
+    base = tiny_model("llama", lora=True, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8)  # fmt: skip
+    layers = base.base_model.model.model.layers
+    frozen = sum(p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad)
+    recompute = [ActivationCheckpointing()] if checkpointing else []
+    plain_metrics, offload_metrics, callback = StepMetrics(measure_step=1), StepMetrics(measure_step=1), LayerOffload()
+    reference = gpu_fit(clone(base), [*recompute, plain_metrics], max_steps=3)
+    run = gpu_fit(clone(base), [*recompute, callback, offload_metrics], max_steps=3)
+    assert reference.losses == run.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+    assert callback.last_step == {"loads": 16, "bytes": 2 * frozen, "max_resident_layers": 2}
+    saved = plain_metrics.peak.peak_bytes - offload_metrics.peak.peak_bytes
+    # all frozen layer weights but the two layers on the device at a time
+    assert saved >= 0.6 * frozen, (saved, frozen)
+    assert all(p.device.type == "cuda" for p in run.parameters()), "every parameter back on the device after fit"

@@ -7,7 +7,19 @@ import contextlib
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import BATCH, LM, SEQ, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from conftest import (
+    BATCH,
+    LM,
+    SEQ,
+    assert_same_training,
+    batches,
+    clone,
+    fit,
+    make_trainer,
+    model_fingerprint,
+    tiny_model,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
 from lightning_ac.offload import HostMemoryError, TransferEngine
@@ -15,13 +27,6 @@ from lightning_ac.offload.targets import SavedTensorOffloader
 
 HIDDEN = 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32
-
-
-def assert_same_training(reference: LM, run: LM) -> None:
-    assert reference.losses == run.losses
-    assert reference.grads.keys() == run.grads.keys()
-    for name, grad in reference.grads.items():
-        assert torch.equal(grad, run.grads[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +268,22 @@ def test_engine_reused_address_is_not_mistaken_for_the_same_storage(engine):
 
 def test_engine_skips_parameters_buffers_and_small_tensors(engine):
     linear = torch.nn.Linear(4, 4)
-    engine.skip_storages.add(linear.weight.untyped_storage().data_ptr())
+    storage = linear.weight.untyped_storage()
+    engine.skip_storages[storage.data_ptr()] = StorageWeakRef(storage)
     assert engine.should_skip(linear.weight)
     assert engine.should_skip(linear.weight.t()), "a view of a parameter is the parameter"
     assert engine.should_skip(torch.ones(4), min_bytes=1024)
     assert not engine.should_skip(torch.ones(4))
+
+
+def test_engine_skip_ends_when_the_parameter_storage_is_freed(engine):
+    # A parameter whose data moved (layer offloading) frees its storage; a new activation may get the address.
+    weight = torch.nn.Parameter(torch.ones(64))
+    stale = StorageWeakRef(weight.untyped_storage())
+    weight.data = torch.zeros(64)
+    activation = torch.ones(64)
+    engine.skip_storages[activation.untyped_storage().data_ptr()] = stale  # as if the address were reused
+    assert stale.expired() and not engine.should_skip(activation)
 
 
 def test_engine_host_memory_error_before_oom(engine):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import lightning.pytorch as pl
 from conftest import clone, fit, tiny_model
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload
@@ -43,3 +44,20 @@ def test_plain_text_table_without_rich():
     assert set(lines[1]) <= {"-", " "}
     assert lines[2].split()[:4] == ["0", "model.layers.0", "full_attention", "yes"]
     assert lines[3].split()[:4] == ["1", "model.layers.1", "—", "no"]
+
+
+def test_table_shows_layer_offloading():
+    from lightning_ac import LayerOffload
+    from lightning_ac.report import layer_rows
+
+    callback = LayerOffload(copy_on_host=True)
+    seen = {}
+
+    class Grab(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seen["rows"] = layer_rows(callback.plan)
+
+    fit(tiny_model("llama", lora=True), [ActivationCheckpointing(), callback, Grab()])
+    rows = seen["rows"]
+    assert len(rows) == 4 and all(r.recomputed for r in rows)
+    assert all(r.offloaded == "frozen params (0.1 MiB) ↔ cpu" for r in rows), rows[0].offloaded

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -139,7 +139,8 @@ class TransferEngine:
         self.host_reserve_bytes = host_reserve_bytes
         self.stats: Dict[str, OffloadStats] = collections.defaultdict(OffloadStats)
         self.last_step: Dict[str, Dict[str, int]] = {}
-        self.skip_storages: Set[int] = set()
+        # storage address -> weak reference: a storage freed since (a parameter moved) no longer matches
+        self.skip_storages: Dict[int, StorageWeakRef] = {}
         self._streams: Optional[_Streams] = None
         self._copies: Dict[int, List[_HostCopy]] = {}  # storage data_ptr -> host copies, this step
         self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
@@ -188,7 +189,8 @@ class TransferEngine:
             return True
         if isinstance(tensor._base, torch.nn.Parameter):
             return True
-        return tensor.untyped_storage().data_ptr() in self.skip_storages
+        skip = self.skip_storages.get(tensor.untyped_storage().data_ptr())
+        return skip is not None and not skip.expired()
 
     def pack(self, tensor: torch.Tensor, target: str) -> Packed:
         """Start moving ``tensor`` to the host; returns what backward will unpack.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac.config import OffloadConfig, Placement
 from lightning_ac.offload.engine import TransferEngine
@@ -61,10 +62,11 @@ class OffloadRuntime:
     def _refresh_skips(self) -> None:
         if self._module is None:
             return
-        skips = set()
+        skips = {}
         for tensor in [*self._module.parameters(), *self._module.buffers()]:
             local = tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
-            skips.add(local.untyped_storage().data_ptr())
+            storage = local.untyped_storage()
+            skips[storage.data_ptr()] = StorageWeakRef(storage)
         self.engine.skip_storages = skips
 
     def start_step(self) -> None:

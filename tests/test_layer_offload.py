@@ -1,0 +1,279 @@
+"""LayerOffload: frozen decoder-layer parameters in host memory, one layer at a time on the device.
+
+On CPU the copies run with ``copy_on_host=True`` (separate host tensors stand in for device copies), which is
+the whole path but the streams; the CUDA path has gpu-marked tests in test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, callbacks_from_config
+
+LAYERS = 4
+
+
+def layer_offload(**kwargs):
+    return LayerOffload(copy_on_host=True, **kwargs)
+
+
+def frozen_layer_bytes(model: nn.Module) -> int:
+    layers = model.base_model.model.model.layers if hasattr(model, "base_model") else model.model.layers
+    return sum(p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad)
+
+
+@pytest.fixture(scope="module")
+def lora_llama():
+    return tiny_model("llama", lora=True)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(lora_llama):
+    return fit(clone(lora_llama), max_steps=2)
+
+
+@pytest.mark.parametrize(
+    "others",
+    [
+        [],
+        [ActivationCheckpointing],
+        [lambda: ActivationCheckpointing(kwargs={"every_n_layers": 2})],
+        [lambda: ActivationCheckpointing(reentrant=True)],
+        [lambda: ActivationCheckpointing(selective=True)],
+        [ActivationCheckpointing, lambda: ActivationOffload(hidden_states="cpu", copy_on_host=True)],
+        [
+            lambda: ActivationCheckpointing(selective=True),
+            lambda: ActivationOffload(hidden_states="cpu", selective="cpu", copy_on_host=True),
+        ],
+        [lambda: ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)],
+    ],
+    ids=["alone", "full", "every_2", "reentrant", "selective", "hidden_states", "selective_offload", "offload_all"],
+)
+def test_training_is_exact_and_each_layer_visits_twice_per_step(lora_llama, lora_reference, others):
+    callback = layer_offload()
+    run = fit(clone(lora_llama), [make() for make in others] + [callback], max_steps=2)
+    assert_same_training(lora_reference, run)
+    frozen = frozen_layer_bytes(lora_llama)
+    # forward brings each layer once, backward once more; never more than the running and the arriving layer
+    assert callback.last_step == {"loads": 2 * LAYERS, "bytes": 2 * frozen, "max_resident_layers": 2}
+    assert callback.host_bytes == frozen
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_sliding_window_families(family):
+    base = tiny_model(family, lora=True)
+    reference = fit(clone(base), max_steps=2)
+    run = fit(clone(base), [ActivationCheckpointing(selective=True), layer_offload()], max_steps=2)
+    assert_same_training(reference, run)
+
+
+def test_gradient_accumulation_and_a_full_finetune_head(lora_llama):
+    reference = fit(clone(lora_llama), max_steps=2, accumulate_grad_batches=2)
+    run = fit(clone(lora_llama), [layer_offload()], max_steps=2, accumulate_grad_batches=2)
+    assert_same_training(reference, run)
+
+
+class DeviceCopySpy(pl.Callback):
+    """Records, before each backward, whether any device copy made during the forward is still alive."""
+
+    def __init__(self, callback: LayerOffload) -> None:
+        self.callback = callback
+        self.refs: list = []
+        self.alive_before_backward: list = []
+
+    def on_train_start(self, trainer, pl_module):
+        streamer = self.callback.plan.layer_streamer
+        original = streamer._load
+
+        def load(layer):
+            fresh = layer.device is None
+            original(layer)
+            if fresh:
+                self.refs.extend(StorageWeakRef(t.untyped_storage()) for t in layer.device)
+
+        streamer._load = load
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.refs.clear()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.alive_before_backward.append(sum(not ref.expired() for ref in self.refs))
+
+
+def test_forward_keeps_no_device_copy_even_without_checkpointing(lora_llama):
+    # Autograd saves linear's weight as a view of the device copy; without the saved-tensor hook those views
+    # would keep every layer's weights on the device until backward.
+    callback = layer_offload()
+    spy = DeviceCopySpy(callback)
+    run = fit(clone(lora_llama), [callback, spy], max_steps=2)
+    layers = lora_llama.base_model.model.model.layers
+    frozen = sum(1 for p in layers.parameters() if not p.requires_grad)
+    assert len(spy.refs) == 2 * frozen, "each frozen layer parameter: one copy in forward, one in backward"
+    assert spy.alive_before_backward == [0, 0]
+    assert run.losses == fit(clone(lora_llama), max_steps=2).losses
+
+
+class StateDictProbe(pl.Callback):
+    def __init__(self) -> None:
+        self.keys = None
+        self.values_match = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = pl_module.state_dict()
+        self.keys = sorted(state)
+        params = dict(pl_module.named_parameters())
+        self.values_match = all(torch.equal(state[name], params[name].detach()) for name in params if name in state)
+
+
+def test_state_dict_between_steps_and_model_left_as_found(lora_llama):
+    model = clone(lora_llama)
+    module = LM(model)
+    fingerprint = model_fingerprint(module)
+    before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    probe = StateDictProbe()
+    make_trainer([layer_offload(), probe], max_steps=2).fit(module, batches())
+    assert probe.keys == fingerprint["state_dict"] and probe.values_match
+    assert model_fingerprint(module) == fingerprint
+    for name, param in module.named_parameters():
+        if name in before:
+            assert torch.equal(param, before[name]), "frozen weights are unchanged"
+    # a second fit applies and removes again
+    make_trainer([layer_offload()], max_steps=1).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+class ValLM(LM):
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("val_loss", loss)
+        return loss
+
+
+def test_validate_only_run_is_exact(lora_llama):
+    plain = make_trainer().validate(ValLM(clone(lora_llama)), batches(), verbose=False)
+    module = ValLM(clone(lora_llama))
+    fingerprint = model_fingerprint(module)
+    offloaded = make_trainer([layer_offload()]).validate(module, batches(), verbose=False)
+    assert plain == offloaded
+    assert model_fingerprint(module) == fingerprint
+
+
+class Boom(LM):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_model_restored_after_an_exception(lora_llama):
+    module = Boom(clone(lora_llama))
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([ActivationCheckpointing(), layer_offload()], max_steps=3).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+    layers = module.model.base_model.model.model.layers
+    frozen = [p for p in layers.parameters() if not p.requires_grad]
+    assert frozen and all(p.device.type == "cpu" and p.is_contiguous() for p in frozen)
+
+
+def test_plain_torch_layers():
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Linear(16, 16)
+            self.adapter = nn.Linear(16, 16, bias=False)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return x + torch.tanh(self.frozen(x)) + self.adapter(x)
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.grads = None
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0].float()[:, :16]
+            for block in self.blocks:
+                x = block(x)
+            return x.pow(2).mean()
+
+        def on_after_backward(self):
+            if self.grads is None:
+                self.grads = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    base = Net()
+    reference, run = clone(base), clone(base)
+    make_trainer(max_steps=2).fit(reference, batches())
+    callback = layer_offload(layers=["blocks.*"])
+    make_trainer([callback], max_steps=2).fit(run, batches())
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+    assert callback.last_step["loads"] == 6
+
+
+def test_cpu_trainer_without_copy_on_host_is_a_config_error(lora_llama):
+    module = LM(clone(lora_llama))
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(ConfigError, match="layer_offloading: true needs an accelerator.*copy_on_host=True"):
+        make_trainer([LayerOffload()]).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+def test_compiled_layers_are_refused(lora_llama):
+    model = clone(lora_llama)
+    model.base_model.model.model.layers[2].compile()
+    with pytest.raises(ConfigError, match=r"layer_offloading: decoder layers \[2\] are compiled"):
+        make_trainer([layer_offload()]).fit(LM(model), batches())
+
+
+def test_nothing_frozen_is_a_config_error():
+    module = LM(tiny_model("llama"))
+    with pytest.raises(ConfigError, match="all 4 layers train every parameter.*LoRA"):
+        make_trainer([layer_offload()]).fit(module, batches())
+    assert not module.model.model.layers[0]._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"copy_on_host": "yes"}, "copy_on_host"),
+        ({"layers": "model.layers.*"}, "layers"),
+    ],
+)
+def test_argument_checks_in_init(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        LayerOffload(**kwargs)
+
+
+def test_layers_must_agree_with_activation_checkpointing(lora_llama):
+    callbacks = [ActivationCheckpointing(layers=["*.layers.*"]), layer_offload(layers=["*.blocks.*"])]
+    with pytest.raises(ConfigError, match="name different decoder layers"):
+        make_trainer(callbacks).fit(LM(clone(lora_llama)), batches())
+
+
+def test_callbacks_from_config_builds_it(caplog):
+    callbacks = callbacks_from_config(True, layer_offloading=True, copy_on_host=True)
+    assert [type(cb).__name__ for cb in callbacks] == ["ActivationCheckpointing", "LayerOffload"]
+    assert callbacks[1].copy_on_host
+    assert [type(cb).__name__ for cb in callbacks_from_config(False, layer_offloading=True)] == ["LayerOffload"]
+    with pytest.raises(ConfigError, match="layer_offloading: expected true or false"):
+        callbacks_from_config(True, layer_offloading="yes")
+
+
+def test_one_log_line_says_what_moved(lora_llama, caplog):
+    fit(clone(lora_llama), [layer_offload()])
+    lines = [r.getMessage() for r in caplog.records if "layer offloading" in r.getMessage()]
+    assert len(lines) == 1
+    assert "frozen parameters of 4/4 decoder layers (0.6 MiB) live in host memory" in lines[0]
