@@ -56,12 +56,12 @@ class SuiteCallback(Callback):
             cb._plan = plan
         plan.apply(trainer, pl_module)
 
-    def _release(self) -> None:
+    def _release(self, after_exception: bool = False) -> None:
         plan = self._plan
         if plan is None:
             return
         try:
-            plan.remove()
+            plan.remove(after_exception)
         finally:
             for cb in plan.callbacks:
                 cb._plan = None
@@ -70,7 +70,7 @@ class SuiteCallback(Callback):
         self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._release()
+        self._release(after_exception=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = self._plan
@@ -330,13 +330,17 @@ class LayerOffload(SuiteCallback):
     Trainable parameters, quantized or sharded parameter subclasses, parameters shared between layers, and
     everything outside the decoder layers (embeddings, output head) stay on the device. Between steps a
     streamed parameter's data is its host copy, so ``state_dict`` and checkpoints hold the right values; after
-    the run every parameter is back on the device.
+    the run every parameter has memory of its own again, on the same device as the rest of the module (the CPU
+    once Lightning's teardown has moved it there). A parameter unfrozen during training (a fine-tuning schedule)
+    leaves the stream at its layer's next call.
 
     Args:
         layers: For models that are not transformers models: the decoder layers, as layer classes or globs over
             qualified module names (see :class:`ActivationCheckpointing`).
         copy_on_host: On a CPU-only trainer, run the copies anyway (tests, debugging). Without it a CPU-only
             trainer is a :class:`ConfigError`: the parameters already live in host memory there.
+        host_reserve_bytes: Host memory left free: if the frozen weights need more, the first forward raises
+            :class:`~lightning_ac.offload.HostMemoryError` instead of meeting the OOM killer.
         verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
         prog_bar: Show ``lightning_ac/layer_offload_bytes`` in the progress bar.
 
@@ -348,7 +352,8 @@ class LayerOffload(SuiteCallback):
 
     Raises:
         ConfigError: If an argument is invalid; in ``setup``, on a sharding strategy (FSDP, DeepSpeed), on a
-            CPU-only trainer without ``copy_on_host``, or when the decoder layers have no frozen parameters.
+            CPU-only trainer without ``copy_on_host``, for compiled decoder layers, or when the decoder layers
+            have no frozen parameters.
     """
 
     def __init__(
@@ -356,13 +361,19 @@ class LayerOffload(SuiteCallback):
         *,
         layers: Optional[Sequence[LayerSpec]] = None,
         copy_on_host: bool = False,
+        host_reserve_bytes: int = 2 * 2**30,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
         self.layers = _check_layers(layers, "LayerOffload")
         if not isinstance(copy_on_host, bool):
             raise ConfigError(f"LayerOffload(copy_on_host=...): expected True or False, got {copy_on_host!r}.")
+        if isinstance(host_reserve_bytes, bool) or not isinstance(host_reserve_bytes, int) or host_reserve_bytes < 0:
+            raise ConfigError(
+                f"LayerOffload(host_reserve_bytes=...): expected an integer >= 0, got {host_reserve_bytes!r}."
+            )
         self.copy_on_host = copy_on_host
+        self.host_reserve_bytes = host_reserve_bytes
         self.verbose = bool(verbose)
         self.prog_bar = bool(prog_bar)
         self.last_step: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}

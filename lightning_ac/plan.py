@@ -8,6 +8,8 @@ others find it applied. Removal happens once, in ``teardown`` or ``on_exception`
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -69,6 +71,7 @@ class Plan:
     _journal: Optional[ModuleJournal] = None
     _deferred: bool = False
     _offload_here: bool = False  # offload targets set, and useful on this device (decided once, in apply)
+    _precision: str = ""
 
     @classmethod
     def gather(cls, trainer: pl.Trainer) -> Plan:
@@ -139,6 +142,7 @@ class Plan:
         self._resolve_reentrant(trainer)
         self.module = module
         self.device = trainer.strategy.root_device
+        self._precision = str(trainer.precision)
         self._offload_here = self._offload_wanted()
         if not self.config.enabled and self.layer_offloading is None:  # offloading without recompute only
             if not self._offload_here:
@@ -306,7 +310,11 @@ class Plan:
                 "frozen base weights (LoRA/QLoRA adapters), or set layer_offloading: false."
             )
         self.layer_streamer = LayerParamStreamer(
-            modules, params, self.device, copy_on_host=self.layer_offloading.copy_on_host
+            modules,
+            params,
+            self.device,
+            copy_on_host=self.layer_offloading.copy_on_host,
+            host_reserve_bytes=self.layer_offloading.host_reserve_bytes,
         )
         self.layer_streamer.install()
 
@@ -321,6 +329,16 @@ class Plan:
             f"lightning_ac: layer offloading: frozen parameters of {len(with_params)}/{len(streamer.layers)} decoder "
             f"layers ({total / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time"
         )
+        fp32 = any(p.dtype == torch.float32 for p in streamer.streamed)
+        recomputed_everywhere = bool(self.checkpointed) and all(self.checkpointed)
+        if "mixed" in self._precision and fp32 and not recomputed_everywhere:
+            rank_zero_log(
+                f"lightning_ac: layer offloading under {self._precision} precision: autocast makes a half-precision "
+                "copy of each float32 frozen weight, and autograd keeps that copy on the device until backward in "
+                "layers that are not recomputed, which gives back part of the saving. Enable activation "
+                "checkpointing on every layer, or keep the frozen base in bfloat16/float16.",
+                logging.WARNING,
+            )
 
     def describe_offload(self) -> str:
         """Which targets move to the host, as the log line shows them."""
@@ -341,22 +359,37 @@ class Plan:
             parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
         return ", ".join(parts)
 
-    def remove(self) -> None:
-        """Undo everything :meth:`apply` installed. Safe to call more than once."""
+    def remove(self, after_exception: bool = False) -> None:
+        """Undo everything :meth:`apply` installed. Safe to call more than once.
+
+        Args:
+            after_exception: Called from ``on_exception``. Lightning moves the module to the CPU right after, so
+                streamed parameters go back to host memory rather than allocating every frozen weight on the
+                device again (perhaps right after running out of device memory).
+        """
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
         offload, selective, journal, streamer = self.offload, self.selective, self._journal, self.layer_streamer
         self.offload = self.selective = self._journal = self.layer_streamer = None
         self.checkpointed = []
-        # Each step runs even if an earlier one raised; parameters go back on the device first.
+        # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
+        home = torch.device("cpu") if after_exception else self._home_device(streamer)
         steps = [
-            streamer.close if streamer is not None else None,
+            functools.partial(streamer.close, home) if streamer is not None else None,
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,
             journal.restore if journal is not None else None,
         ]
         _run_all([step for step in steps if step is not None])
+
+    def _home_device(self, streamer: Optional[LayerParamStreamer]) -> Optional[torch.device]:
+        """Where the module's other parameters are now: after a successful run Lightning has already moved the
+        module to the CPU (``strategy.teardown`` runs before ``Callback.teardown``)."""
+        if streamer is None or self.module is None:
+            return None
+        streamed = {id(p) for p in streamer.streamed}
+        return next((p.device for p in self.module.parameters() if id(p) not in streamed), self.device)
 
 
 def _run_all(steps: List[Any]) -> None:

@@ -118,16 +118,28 @@ def test_forward_keeps_no_device_copy_even_without_checkpointing(lora_llama):
     assert run.losses == fit(clone(lora_llama), max_steps=2).losses
 
 
-class StateDictProbe(pl.Callback):
-    def __init__(self) -> None:
-        self.keys = None
-        self.values_match = None
+class BetweenSteps(pl.Callback):
+    """What user code sees between steps: the state_dict, and where the streamed parameters are."""
+
+    def __init__(self, callback: LayerOffload, frozen_before: dict) -> None:
+        self.callback, self.frozen_before = callback, frozen_before
+        self.checks: list = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning_ac.offload.layer_params import _holds
+
         state = pl_module.state_dict()
-        self.keys = sorted(state)
-        params = dict(pl_module.named_parameters())
-        self.values_match = all(torch.equal(state[name], params[name].detach()) for name in params if name in state)
+        streamer = self.callback.plan.layer_streamer
+        self.checks.append(
+            {
+                "keys": sorted(state),
+                "frozen values": all(torch.equal(state[n], v) for n, v in self.frozen_before.items()),
+                "nothing loaded": all(layer.device is None for layer in streamer.layers),
+                "data is the host copy": all(
+                    _holds(p, h) for layer in streamer.layers for p, h in zip(layer.params, layer.host)
+                ),
+            }
+        )
 
 
 def test_state_dict_between_steps_and_model_left_as_found(lora_llama):
@@ -135,13 +147,19 @@ def test_state_dict_between_steps_and_model_left_as_found(lora_llama):
     module = LM(model)
     fingerprint = model_fingerprint(module)
     before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
-    probe = StateDictProbe()
-    make_trainer([layer_offload(), probe], max_steps=2).fit(module, batches())
-    assert probe.keys == fingerprint["state_dict"] and probe.values_match
+    callback = layer_offload()
+    probe = BetweenSteps(callback, before)
+    make_trainer([callback, probe], max_steps=2).fit(module, batches())
+    assert len(probe.checks) == 2
+    for check in probe.checks:
+        assert check.pop("keys") == fingerprint["state_dict"]
+        assert all(check.values()), check
     assert model_fingerprint(module) == fingerprint
     for name, param in module.named_parameters():
         if name in before:
             assert torch.equal(param, before[name]), "frozen weights are unchanged"
+            # memory of its own again, not a slice of a layer's host buffer
+            assert param.storage_offset() == 0 and param.untyped_storage().nbytes() == param.numel() * 4, name
     # a second fit applies and removes again
     make_trainer([layer_offload()], max_steps=1).fit(module, batches())
     assert model_fingerprint(module) == fingerprint
@@ -178,49 +196,160 @@ def test_model_restored_after_an_exception(lora_llama):
     assert model_fingerprint(module) == fingerprint
     layers = module.model.base_model.model.model.layers
     frozen = [p for p in layers.parameters() if not p.requires_grad]
-    assert frozen and all(p.device.type == "cpu" and p.is_contiguous() for p in frozen)
+    assert frozen and all(p.storage_offset() == 0 and not p.is_pinned() for p in frozen)
 
 
-def test_plain_torch_layers():
-    torch.manual_seed(0)
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.adapter = nn.Linear(16, 16, bias=False)
+        self.frozen.requires_grad_(False)
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.frozen = nn.Linear(16, 16)
-            self.adapter = nn.Linear(16, 16, bias=False)
-            self.frozen.requires_grad_(False)
+    def forward(self, x):
+        return x + torch.tanh(self.frozen(x)) + self.adapter(x)
 
-        def forward(self, x):
-            return x + torch.tanh(self.frozen(x)) + self.adapter(x)
 
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(3))
-            self.grads = None
+class Net(pl.LightningModule):
+    """Plain torch blocks, optionally checkpointed by the model itself around each block's call."""
 
-        def training_step(self, batch, batch_idx):
-            x = batch[0].float()[:, :16]
-            for block in self.blocks:
+    def __init__(self, checkpoint: str = "none") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.checkpoint = checkpoint
+        self.grads = None
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0].float()[:, :16].requires_grad_(self.checkpoint == "reentrant")
+        for block in self.blocks:
+            if self.checkpoint == "none":
                 x = block(x)
-            return x.pow(2).mean()
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+        loss = x.pow(2).mean()
+        self.losses.append(float(loss))
+        return loss
 
-        def on_after_backward(self):
-            if self.grads is None:
-                self.grads = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+    def on_after_backward(self):
+        if self.grads is None:
+            self.grads = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
 
-        def configure_optimizers(self):
-            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
-    base = Net()
+
+@pytest.mark.parametrize("checkpoint", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper"])
+def test_plain_torch_layers_and_checkpoints_around_their_calls(checkpoint):
+    """Checkpoints that call the layer module again in backward (the model's own, torch's CheckpointWrapper):
+    the recompute sees the same saved tensors, and releases follow the backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    base = Net("none" if checkpoint == "checkpoint_wrapper" else checkpoint)
+    if checkpoint == "checkpoint_wrapper":
+        base.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in base.blocks)
     reference, run = clone(base), clone(base)
     make_trainer(max_steps=2).fit(reference, batches())
-    callback = layer_offload(layers=["blocks.*"])
-    make_trainer([callback], max_steps=2).fit(run, batches())
+    callback = layer_offload(layers=[Block])
+    probe = BetweenSteps(callback, {})
+    make_trainer([callback, probe], max_steps=2).fit(run, batches())
+    assert reference.losses == run.losses
     for name, grad in reference.grads.items():
         assert torch.equal(grad, run.grads[name]), name
-    assert callback.last_step["loads"] == 6
+    assert callback.last_step == {"loads": 6, "bytes": 6 * (16 * 16 + 16) * 4, "max_resident_layers": 2}
+    assert all(check["nothing loaded"] and check["data is the host copy"] for check in probe.checks)
+
+
+def test_saved_tensors_without_plain_storage_pass_through():
+    from lightning_ac.offload.layer_params import LayerParamStreamer, frozen_layer_parameters
+
+    class SparseBlock(Block):
+        def forward(self, x):
+            eye = torch.eye(x.shape[0]).to_sparse()
+            return super().forward(torch.sparse.mm(eye, x))  # saves a sparse tensor for backward
+
+    torch.manual_seed(0)
+    blocks = [SparseBlock() for _ in range(2)]
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def grad():
+        h = x
+        for block in blocks:
+            h = block(h)
+        return torch.autograd.grad(h.pow(2).sum(), [x])[0]
+
+    reference = grad()
+    streamer = LayerParamStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
+    streamer.install()
+    try:
+        assert torch.equal(grad(), reference)
+    finally:
+        streamer.close()
+
+
+def test_a_backward_that_raises_leaves_nothing_loaded_for_the_next_step():
+    from lightning_ac.offload.layer_params import LayerParamStreamer, frozen_layer_parameters
+
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(4)]
+    streamer = LayerParamStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
+    streamer.install()
+
+    def backward(fail: bool) -> None:
+        h = torch.randn(8, 16, requires_grad=True)
+        for index, block in enumerate(blocks):
+            if fail and index == 2:
+                h.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+            h = block(h)
+        h.pow(2).mean().backward()
+
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            backward(fail=True)
+        streamer.start_step()  # as the callback does before the next step
+        assert all(layer.device is None for layer in streamer.layers)
+        backward(fail=False)  # and the next backward queues its own final release
+        assert all(layer.device is None for layer in streamer.layers)
+    finally:
+        streamer.close()
+
+
+class Unfreeze(pl.Callback):
+    """A fine-tuning schedule: layer 0's frozen weight starts training at the second step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            pl_module.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
+
+
+def test_a_parameter_unfrozen_during_training_leaves_the_stream(lora_llama):
+    reference = fit(clone(lora_llama), [Unfreeze()], max_steps=3)
+    callback = layer_offload()
+    run = fit(clone(lora_llama), [Unfreeze(), callback], max_steps=3)
+    assert reference.losses == run.losses
+    weight = run.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert weight.grad is not None and weight.grad.device == weight.device
+    assert callback.last_step["bytes"] == 2 * (frozen_layer_bytes(lora_llama) - weight.numel() * 4)
+
+
+def test_mixed_precision_without_recompute_warns(lora_llama, caplog):
+    fit(clone(lora_llama), [layer_offload()], precision="bf16-mixed")
+    warned = [r for r in caplog.records if "autocast makes a half-precision copy" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+    caplog.clear()
+    fit(clone(lora_llama), [ActivationCheckpointing(), layer_offload()], precision="bf16-mixed")
+    assert not any("autocast makes a half-precision copy" in r.getMessage() for r in caplog.records)
+
+
+def test_not_enough_host_memory_is_an_error_before_anything_moves(lora_llama):
+    from lightning_ac.offload import HostMemoryError
+
+    module = LM(clone(lora_llama))
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(HostMemoryError, match="layer_offloading needs .* GiB of host memory"):
+        make_trainer([layer_offload(host_reserve_bytes=2**60)]).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
 
 
 def test_cpu_trainer_without_copy_on_host_is_a_config_error(lora_llama):
@@ -250,6 +379,7 @@ def test_nothing_frozen_is_a_config_error():
     [
         ({"copy_on_host": "yes"}, "copy_on_host"),
         ({"layers": "model.layers.*"}, "layers"),
+        ({"host_reserve_bytes": -1}, "host_reserve_bytes"),
     ],
 )
 def test_argument_checks_in_init(kwargs, match):

@@ -1,35 +1,41 @@
 """Layer offloading: frozen decoder-layer parameters live in host memory and visit the device one layer at a time.
 
-Each decoder layer's frozen parameters are copied to host memory once (pinned on an accelerator). Between
-uses a parameter's ``.data`` *is* that host copy, so ``state_dict``, checkpoints and user code between steps
-see real values. Before a layer runs, its parameters are copied to the device on a side stream, and the next
-layer's copy starts while this one computes; after it runs, ``.data`` points at the host copy again and the
-device copy is freed. Backward walks the layers in reverse: when the gradient reaches a layer's outputs, that
-layer comes back (and the one before it is prefetched), and the layer after it, whose backward is done, goes.
-A callback queued on the autograd engine releases whatever is still on the device when backward ends.
+Each decoder layer's frozen parameters are copied once into one host buffer per layer (pinned on an accelerator).
+Between uses a parameter's ``.data`` *is* its slice of that buffer, so ``state_dict``, checkpoints and user code
+between steps see real values. Before a layer runs, its parameters are copied to the device on a side stream,
+and the next layer's copy starts while this one computes; after it runs, ``.data`` points at the host copy
+again and the device copy is freed. Backward walks the layers in reverse: when the gradient reaches a layer's
+outputs (or the layer is called again to recompute it), that layer comes back, the one before it is
+prefetched, and the layers after it, whose backward is done, go. A callback queued on the autograd engine
+releases whatever is still on the device when backward ends.
 
 Autograd keeps what it saves of a parameter as a view of the parameter's device memory (``linear`` saves
-``weight.t()``), which would keep every layer's weights on the device until backward. During a layer's
-forward, a saved-tensor hook therefore keeps a reference to the parameter instead of such a view and rebuilds
-the view from the reloaded copy when backward asks for it (other tensors go to the saved-tensor hooks already
-in force, e.g. activation offloading's). Checkpointed layers recompute in backward, when the layer is on the
-device anyway.
+``weight.t()``), which would keep every layer's weights on the device until backward. During a layer's call a
+saved-tensor hook therefore keeps a reference to the parameter instead of such a view and rebuilds the view
+from the reloaded copy when backward asks for it; other tensors go to the saved-tensor hooks already in force
+(activation offloading's, or a checkpoint's around the layer).
 
-On a CPU device the same path runs with separate host tensors standing in for device copies
-(``copy_on_host``): that is how the logic is tested without an accelerator.
+The CPU may run ahead of the device; the allocator cannot reuse a released copy until the device has finished
+with it, so each new copy waits until the device has passed the release of the layer two copies back (as
+FSDP's ``limit_all_gathers`` does). On a CPU device the same path runs with separate host tensors standing in
+for device copies (``copy_on_host``): that is how the logic is tested without an accelerator.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from lightning_ac.offload.engine import _Streams
+from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
 
 __all__ = ["LayerParamStreamer", "frozen_layer_parameters"]
+
+_ALIGN = 64  # bytes: every parameter's slice of a layer's host buffer starts on a cache line
 
 
 def frozen_layer_parameters(layers: Sequence[nn.Module]) -> List[List[nn.Parameter]]:
@@ -43,6 +49,10 @@ def frozen_layer_parameters(layers: Sequence[nn.Module]) -> List[List[nn.Paramet
         [p for p in layer.parameters() if not p.requires_grad and type(p) is nn.Parameter and owners[id(p)] == 1]
         for layer in layers
     ]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass(eq=False)
@@ -74,10 +84,13 @@ class LayerParamStreamer:
         params: For each layer, the parameters to stream (see :func:`frozen_layer_parameters`).
         device: The training device.
         copy_on_host: On a CPU device, run the same path with separate host tensors (tests, debugging).
+        host_reserve_bytes: Host memory left free: needing more raises :class:`HostMemoryError` at the first
+            forward instead of letting the OOM killer end the run.
 
     Attributes:
         stats: This step's ``loads`` (layer copies to the device), ``bytes`` copied, and
             ``max_resident_layers`` (most layers on the device at once).
+        host_bytes: Bytes of parameters held in host memory.
     """
 
     def __init__(
@@ -86,10 +99,12 @@ class LayerParamStreamer:
         params: Sequence[Sequence[nn.Parameter]],
         device: torch.device,
         copy_on_host: bool = False,
+        host_reserve_bytes: int = 2 * 2**30,
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
         self.copy_on_host = copy_on_host
+        self.host_reserve_bytes = host_reserve_bytes
         self.modules = list(layers)
         self.layers = [_Layer(i, list(ps)) for i, ps in enumerate(params)]
         # Devices whose module has no streams (MPS) copy synchronously.
@@ -101,7 +116,14 @@ class LayerParamStreamer:
         self._handles: List[Any] = []
         self._hook_contexts: List[Any] = []
         self._by_storage: Dict[int, Tuple[_Layer, int]] = {}  # device copy's storage -> (layer, slot)
-        self._final_callback_queued = False
+        self._release_events: Deque[Any] = collections.deque()
+        self._registered: List[torch.Tensor] = []  # host buffers pinned with cudaHostRegister
+        self._backward_task: Optional[int] = None  # the graph task whose final callback is queued
+
+    @property
+    def streamed(self) -> List[nn.Parameter]:
+        """Every parameter this streamer moves."""
+        return [p for layer in self.layers for p in layer.params]
 
     # -- install / remove ---------------------------------------------------------------------------------
 
@@ -114,64 +136,143 @@ class LayerParamStreamer:
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(layer)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(layer), always_call=True))
 
-    def close(self) -> None:
-        """Put every parameter back on the device and remove the hooks. Safe to call more than once."""
+    def close(self, to: Optional[torch.device] = None) -> None:
+        """Remove the hooks and give every parameter its own memory on ``to`` again (default: the training
+        device; pageable memory when ``to`` is the CPU). Safe to call more than once."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        while self._hook_contexts:  # a forward that never returned (an exception before the post hook ran)
+        while self._hook_contexts:  # a call that never returned (an exception before the post hook ran)
             context = self._hook_contexts.pop()
             if context is not None:
                 context.__exit__(None, None, None)
         if self._streams is not None:
             self._streams.synchronize()
+        target = torch.device(to) if to is not None else self.device
         if self._offloaded:
             for layer in self.layers:
                 self._release(layer)
                 for p, host in zip(layer.params, layer.host):
-                    if _holds(p, host):  # untouched since: the model goes back to the device, as we found it
-                        p.data = host.to(self.device) if self.on_accelerator else host.clone()
+                    if _holds(p, host):  # untouched since: the parameter gets memory of its own back
+                        p.data = self._own_copy(host, target)
                 layer.host = []
         self._offloaded = False
+        self._release_events.clear()
         self._by_storage.clear()
+        self._unregister_host_buffers()
 
     def start_step(self) -> None:
+        """Reset the step's figures; release anything a failed backward left on the device."""
+        self._release_all()
         self.stats = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
 
-    # -- moving parameters --------------------------------------------------------------------------------
+    # -- host memory --------------------------------------------------------------------------------------
 
     def _offload_all(self) -> None:
         """Copy every streamed parameter to the host once, and make the host copy its ``.data``."""
-        pin = self._streams is not None
         for layer in self.layers:
             layer.params = [p for p in layer.params if p.device == self.device]
-            layer.host = []
-            for p in layer.params:
-                host = torch.empty_like(p.data, device="cpu", pin_memory=pin)
-                host.copy_(p.data)
-                layer.host.append(host)
+        needed = sum(_nbytes(p) for p in self.streamed)
+        available = available_host_bytes()
+        if available is not None and needed > available - self.host_reserve_bytes:
+            raise HostMemoryError(
+                f"layer_offloading needs {needed / 2**30:.2f} GiB of host memory for the frozen layer weights, but "
+                f"only {available / 2**30:.2f} GiB is available and {self.host_reserve_bytes / 2**30:.2f} GiB is "
+                "kept free. Free host memory, use fewer data-parallel processes per machine, or set "
+                "layer_offloading: false."
+            )
+        for layer in self.layers:
+            layer.host = self._host_copies(layer.params)
+            for p, host in zip(layer.params, layer.host):
                 p.data = host
-            layer.nbytes = sum(h.numel() * h.element_size() for h in layer.host)
+            layer.nbytes = sum(_nbytes(h) for h in layer.host)
         self.host_bytes = sum(layer.nbytes for layer in self.layers)
         self._offloaded = True
 
-    def _check_host_copies(self, layer: _Layer) -> None:
-        """Someone replaced a parameter's data between steps (``model.to(...)``, a weight update): take the
-        new values as the host copy."""
+    def _host_copies(self, params: Sequence[nn.Parameter]) -> List[torch.Tensor]:
+        """Host copies of ``params``: slices of one buffer for the layer (a non-contiguous parameter gets
+        memory of its own, so that its strides survive)."""
+        offsets: List[Optional[int]] = []
+        total = 0
+        for p in params:
+            if p.is_contiguous():
+                total = -(-total // _ALIGN) * _ALIGN
+                offsets.append(total)
+                total += _nbytes(p)
+            else:
+                offsets.append(None)
+        buffer = self._host_buffer(total)
+        copies = []
+        for p, offset in zip(params, offsets):
+            if offset is None:
+                host = torch.empty_like(p.data, device="cpu", pin_memory=self._streams is not None)
+            else:
+                host = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
+            host.copy_(p.data)
+            copies.append(host)
+        return copies
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Host bytes for one layer: pinned when copies run on streams. CUDA memory is page-locked in place
+        (``cudaHostRegister``): torch's pinned allocator rounds each block up to a power of two, which would
+        cost up to twice the weights' size in host memory."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self._streams is None or nbytes == 0:
+            return buffer
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+                if buffer.is_pinned():
+                    self._registered.append(buffer)
+                    return buffer
+            except Exception:  # noqa: BLE001 - an unavailable binding falls back to torch's pinned allocator
+                pass
+        return buffer.pin_memory()
+
+    def _unregister_host_buffers(self) -> None:
+        for buffer in self._registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            except Exception:  # noqa: BLE001 - the memory is freed with the tensor either way
+                pass
+        self._registered = []
+
+    def _own_copy(self, host: torch.Tensor, target: torch.device) -> torch.Tensor:
+        if target.type == "cpu":
+            return torch.empty_like(host, pin_memory=False).copy_(host)  # no pinned memory left to the user
+        return host.to(target)
+
+    def _refresh(self, layer: _Layer) -> None:
+        """Between uses: a parameter that now trains (a fine-tuning schedule unfroze it) leaves the stream and
+        gets device memory of its own; one whose data someone replaced (``model.to(...)``) gets a new host
+        copy."""
+        keep = [(p, h) for p, h in zip(layer.params, layer.host) if not p.requires_grad]
+        for p, host in zip(layer.params, layer.host):
+            if p.requires_grad:
+                p.data = self._own_copy(p.data if not _holds(p, host) else host, self.device)
+        layer.params, layer.host = [p for p, _ in keep], [h for _, h in keep]
         for slot, (p, host) in enumerate(zip(layer.params, layer.host)):
             if not _holds(p, host):
-                fresh = torch.empty_like(p.data, device="cpu", pin_memory=self._streams is not None)
-                fresh.copy_(p.data)
+                fresh = self._host_copies([p])[0]
                 layer.host[slot] = fresh
                 p.data = fresh
+        layer.nbytes = sum(_nbytes(h) for h in layer.host)
+        self.host_bytes = sum(other.nbytes for other in self.layers)
+
+    # -- moving parameters --------------------------------------------------------------------------------
 
     def _load(self, layer: _Layer) -> None:
         """Start copying a layer's parameters to the device (asynchronously on an accelerator)."""
         if layer.device is not None:
             return
-        if not all(_holds(p, h) for p, h in zip(layer.params, layer.host)):
-            self._check_host_copies(layer)
+        self._refresh(layer)
+        if not layer.params:
+            return
         if self._streams is not None:
+            # Bound how far the CPU runs ahead: the memory of a released copy is reusable only once the device
+            # has passed its release.
+            while len(self._release_events) > 1:
+                self._release_events.popleft().synchronize()
             with self._streams.stream(self._streams.h2d):
                 layer.device = [h.to(self.device, non_blocking=True) for h in layer.host]
                 layer.event = self._streams.h2d.record_event()
@@ -189,7 +290,8 @@ class LayerParamStreamer:
     def _use(self, layer: _Layer) -> None:
         """Make the layer's device copies its parameters' data, once their copy has finished."""
         self._load(layer)
-        assert layer.device is not None
+        if layer.device is None:
+            return
         if layer.event is not None and self._streams is not None:
             current = self._streams.current()
             current.wait_event(layer.event)
@@ -210,11 +312,12 @@ class LayerParamStreamer:
             p.data = host
         layer.device = None
         layer.event = None
+        if self._streams is not None:
+            self._release_events.append(self._streams.current().record_event())
 
     def _release_all(self) -> None:
         for layer in self.layers:
             self._release(layer)
-        self._final_callback_queued = False
 
     # -- hooks --------------------------------------------------------------------------------------------
 
@@ -222,14 +325,18 @@ class LayerParamStreamer:
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not self._offloaded:
                 self._offload_all()
-            self._use(layer)
             if _in_backward():
-                return  # a recompute (torch's CheckpointWrapper calls the module again): backward loads
-            nxt = layer.index + 1
-            if nxt < len(self.layers) and self.layers[nxt].params:
-                self._load(self.layers[nxt])
+                # Called again in backward: a recompute by a checkpoint around the layer's call (torch's
+                # CheckpointWrapper, a model's own checkpoint): the layer's backward is next.
+                self._backward_reached(layer)
+            else:
+                self._use(layer)
+                nxt = layer.index + 1
+                if nxt < len(self.layers):
+                    self._load(self.layers[nxt])
             context = None
             if torch.is_grad_enabled():
+                # Pushed in forward and in a recompute alike, so a checkpoint around the call sees the same saves.
                 context = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks())
                 context.__enter__()
             self._hook_contexts.append(context)  # popped by the post hook, which always runs
@@ -238,11 +345,11 @@ class LayerParamStreamer:
 
     def _make_post_hook(self, layer: _Layer) -> Any:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
-                return
             context = self._hook_contexts.pop() if self._hook_contexts else None
             if context is not None:
                 context.__exit__(None, None, None)
+            if _in_backward():
+                return  # released once the backward has moved on to earlier layers
             needs_grad = [t for t in _tensors(output) if t.requires_grad]
             if needs_grad:
                 torch.autograd.graph.register_multi_grad_hook(
@@ -253,31 +360,33 @@ class LayerParamStreamer:
         return post_hook
 
     def _backward_reached(self, layer: _Layer) -> None:
-        """The gradient reached this layer's outputs: its backward is next, the later layers' is done."""
-        if not self._final_callback_queued:
-            self._final_callback_queued = True
+        """The gradient reached this layer: its backward is next, the later layers' is done."""
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:  # once per backward pass, even after one that raised
+            self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._release_all)
         self._use(layer)
         for later in self.layers[layer.index + 1 :]:
             self._release(later)
-        previous = layer.index - 1
-        if previous >= 0 and self.layers[previous].params:
-            self._load(self.layers[previous])
+        if layer.index > 0:
+            self._load(self.layers[layer.index - 1])
 
     def _saved_tensor_hooks(self) -> Tuple[Any, Any]:
-        """Saved-tensor hooks for a layer's forward: views of loaded parameters are kept as references,
+        """Saved-tensor hooks for a layer's call: views of loaded parameters are kept as references,
         everything else goes to the hooks already in force."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(tensor: torch.Tensor) -> Any:
-            found = self._by_storage.get(tensor.untyped_storage().data_ptr()) if tensor.device == self.device else None
-            if found is not None:
-                layer, slot = found
-                copy = layer.device[slot] if layer.device is not None else None
-                if copy is not None and tensor.dtype == copy.dtype:
-                    size, stride = tuple(tensor.shape), tuple(tensor.stride())
-                    return _ParamView(layer, slot, tensor.storage_offset(), size, stride)
+            plain = type(tensor) in (torch.Tensor, nn.Parameter) and tensor.layout is torch.strided
+            if plain and tensor.device == self.device:
+                found = self._by_storage.get(tensor.untyped_storage().data_ptr())
+                if found is not None:
+                    layer, slot = found
+                    copy = layer.device[slot] if layer.device is not None else None
+                    if copy is not None and tensor.dtype == copy.dtype:
+                        size, stride = tuple(tensor.shape), tuple(tensor.stride())
+                        return _ParamView(layer, slot, tensor.storage_offset(), size, stride)
             return outer_pack(tensor) if outer_pack is not None else tensor
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -292,8 +401,12 @@ class LayerParamStreamer:
 
 def _holds(param: nn.Parameter, data: torch.Tensor) -> bool:
     """Whether ``param.data`` is ``data`` (``param.data`` is a new tensor object at each access: compare
-    storages)."""
-    return param.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() and param.device == data.device
+    storages and offsets)."""
+    return (
+        param.device == data.device
+        and param.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        and param.storage_offset() == data.storage_offset()
+    )
 
 
 def _in_backward() -> bool:

@@ -1,6 +1,7 @@
 """Run under `python -m torch.distributed.run --nproc_per_node 2`: DDP on CPU (gloo), with and without the suite.
 
-Writes one JSON line per rank to the path in argv[1]: final parameter checksums of both runs.
+Writes one JSON line per rank to the path in argv[1]: whether the final parameters of each suite run (SAC +
+hidden_states offload; checkpointing + layer offloading) are bit-identical to the plain run's.
 """
 
 import json
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import LM, batches, clone, tiny_model  # noqa: E402
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload  # noqa: E402
+from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload  # noqa: E402
 
 
 def train(base, callbacks):
@@ -32,6 +33,10 @@ plain, _ = train(base, [])
 suite, trainer = train(
     base, [ActivationCheckpointing(selective=True), ActivationOffload(hidden_states="cpu", copy_on_host=True)]
 )
+streamed, _ = train(base, [ActivationCheckpointing(), LayerOffload(copy_on_host=True)])
 same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), suite.parameters()))
+same_streamed = all(torch.equal(a, b) for a, b in zip(plain.parameters(), streamed.parameters()))
+row = {"rank": trainer.global_rank, "same": same, "same_streamed": same_streamed,
+       "losses": [plain.losses, suite.losses, streamed.losses]}  # fmt: skip
 with open(sys.argv[1], "a") as f:
-    f.write(json.dumps({"rank": trainer.global_rank, "same": same, "losses": [plain.losses, suite.losses]}) + "\n")
+    f.write(json.dumps(row) + "\n")
