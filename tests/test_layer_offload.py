@@ -181,6 +181,19 @@ def test_validate_only_run_is_exact(lora_llama):
     assert model_fingerprint(module) == fingerprint
 
 
+def test_validation_inside_fit_is_exact(lora_llama):
+    """The sanity check's validation (no grad) is the first forward: the weights move out there."""
+
+    def run(callbacks):
+        module = ValLM(clone(lora_llama))
+        trainer = make_trainer(callbacks, max_steps=3, val_check_interval=2, limit_val_batches=1)
+        trainer.fit(module, batches(), batches())
+        return module, float(trainer.callback_metrics["val_loss"])
+
+    (plain, plain_val), (streamed, streamed_val) = run([]), run([ActivationCheckpointing(), layer_offload()])
+    assert plain.losses == streamed.losses and plain_val == streamed_val
+
+
 class Boom(LM):
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:
