@@ -12,7 +12,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 COLUMNS = (
-    "job", "mode", "model", "steps", "final_loss", "peak_activation_bytes", "peak_memory_bytes", "step_time_s", "error",
+    "job", "mode", "model", "overrides", "steps", "final_loss", "peak_activation_bytes", "peak_memory_bytes",
+    "step_time_s", "error",
 )  # fmt: skip
 
 
@@ -59,11 +60,18 @@ def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
 
 
 class FailedJobs(Callback):
-    """Hydra callback: after a sweep, list the jobs that stopped on a bad value and exit with status 2."""
+    """Hydra callback: a sweep starts from a clean summary, and ends by listing the jobs that stopped on a bad value
+    (exit status 2)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # A sweep into a directory that holds an earlier sweep's results must not report them as its own.
+        sweep_dir = Path(config.hydra.sweep.dir)
+        for stale in [*sweep_dir.glob("*/summary.json"), *sweep_dir.glob("sweep_summary.*")]:
+            stale.unlink()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = [r for r in collect(Path(config.hydra.sweep.dir)) if r["error"]]
         if failed:
-            lines = "\n".join(f"  job {r['job']} ({r['mode']}): {r['error']}" for r in failed)
+            lines = "\n".join(f"  job {r['job']} ({r['overrides'] or r['mode']}): {r['error']}" for r in failed)
             print(f"error: {len(failed)} sweep job(s) stopped on a bad value:\n{lines}", file=sys.stderr)
             sys.exit(2)

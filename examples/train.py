@@ -111,8 +111,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
     peak = metrics.peak
     summary = {
-        "mode": HydraConfig.get().runtime.choices.get("activation_checkpointing"),
-        "model": HydraConfig.get().runtime.choices.get("model"),
+        **_job_identity(),
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
         "offload": next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None),
@@ -140,21 +139,41 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     return summary
 
 
+def _job_identity() -> Dict[str, Any]:
+    """What names this job in a sweep: the mode and model chosen, and its overrides."""
+    hydra_cfg = HydraConfig.get()
+    choices = hydra_cfg.runtime.choices
+    return {
+        "mode": choices.get("activation_checkpointing"),
+        "model": choices.get("model"),
+        "overrides": hydra_cfg.job.override_dirname,
+    }
+
+
+def _record_failure(error: str) -> None:
+    """In a sweep: this job's summary says how it ended, and the sweep summary includes it."""
+    failed = {**_job_identity(), "error": error}
+    (Path(HydraConfig.get().runtime.output_dir) / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
+    write_sweep_summary(Path(HydraConfig.get().sweep.dir))
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         run(cfg)
     except ConfigError as err:
         # A bad value is the user's to fix: say what and how, without a traceback.
         print(f"error: {err}", file=sys.stderr)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
+        if not multirun:
             sys.exit(2)
         # In a sweep the other jobs still run: this one is recorded as failed in the sweep summary, and the
         # sweep exits with status 2 once every job has run (sweep.FailedJobs).
-        choices = HydraConfig.get().runtime.choices
-        failed = {"mode": choices.get("activation_checkpointing"), "model": choices.get("model"), "error": str(err)}
-        (Path(HydraConfig.get().runtime.output_dir) / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
-        write_sweep_summary(Path(HydraConfig.get().sweep.dir))
+        _record_failure(str(err))
+    except Exception as err:
+        if multirun:  # Hydra runs the other jobs and then reports this one; the sweep summary shows it too
+            _record_failure(f"crashed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        raise
 
 
 if __name__ == "__main__":

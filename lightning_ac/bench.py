@@ -112,43 +112,34 @@ def _hf_native_offload(model: nn.Module) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
 
 
-def _external_offloader(module_name: str, make_context: Callable[[Any, nn.Module], Any], full: bool):
-    """An anchor running another project's activation offloader (TRL's, torchtune's) the way its trainer does:
-    a ``saved_tensors_hooks`` context entered around the model's forward. ``full`` adds transformers'
+_TRL_OFFLOADING = "trl.models.activation_offloading"
+
+
+def _trl_offloader(full: bool) -> Callable[[nn.Module], None]:
+    """An anchor running TRL's activation offloader the way TRL's trainer does: a ``saved_tensors_hooks`` context
+    built for the model once it is on its device (it records the parameters' storages, so that their views stay
+    put) and entered around each training step, forward and backward. ``full`` adds transformers'
     checkpointing underneath, the counterpart of ``offload_all``; without it the anchor mirrors ``offload_only``."""
 
     def apply(model: nn.Module) -> None:
-        context = make_context(importlib.import_module(module_name), model)
         if full:
             _hf_native_full(model)
-        # The context is entered and left around each forward; the unpack hooks recorded with each saved tensor
-        # serve the backward, as in TRL's and torchtune's trainers.
-        model.register_forward_pre_hook(lambda *args: context.__enter__())
-        model.register_forward_hook(lambda *args: context.__exit__(None, None, None), always_call=True)
+        model._bench_step_context = lambda m: importlib.import_module(_TRL_OFFLOADING).get_act_offloading_ctx_manager(m)
 
-    apply.requires = module_name.split(".")[0]  # type: ignore[attr-defined]
+    apply.requires = _TRL_OFFLOADING  # type: ignore[attr-defined]
     return apply
-
-
-def _trl_context(module: Any, model: nn.Module) -> Any:
-    return module.get_act_offloading_ctx_manager(model)
-
-
-def _torchtune_context(module: Any, model: nn.Module) -> Any:
-    return module.get_act_offloading_ctx_manager(model, enable_activation_offloading=True)
 
 
 ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "hf_native_full": _hf_native_full,
     "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
 }
-# Anchors that only mean something on an accelerator. The external offloaders run when their package is
-# installed; both are CUDA-only upstream (they create device streams at construction).
+# Anchors that only mean something on an accelerator. TRL's offloader runs when trl is installed; it is CUDA-only
+# upstream (it creates device streams at construction).
 ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "hf_native_offload": _hf_native_offload,
-    "trl_offload_only": _external_offloader("trl.models.activation_offloading", _trl_context, full=False),
-    "trl_offload_full": _external_offloader("trl.models.activation_offloading", _trl_context, full=True),
-    "torchtune_offload_only": _external_offloader("torchtune.training", _torchtune_context, full=False),
+    "trl_offload_only": _trl_offloader(full=False),
+    "trl_offload_full": _trl_offloader(full=True),
 }
 MODES = {**SUITE_MODES, **ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
@@ -174,6 +165,27 @@ class _BenchModule(pl.LightningModule):
         self.model = model
         self.capture_grads = capture_grads
         self.grads: Optional[Dict[str, torch.Tensor]] = None
+        self._step_context: Any = None
+        self._in_step_context = False
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # An anchor's context around the whole training step (TRL's offloader), built on the device
+        factory = getattr(self.model, "_bench_step_context", None)
+        if factory is not None:
+            if self._step_context is None:
+                self._step_context = factory(self.model)
+            self._step_context.__enter__()
+            self._in_step_context = True
+
+    def on_after_backward(self) -> None:
+        self.leave_step_context()
+
+    def leave_step_context(self) -> None:
+        """Exit the anchor's step context if a step entered it (also after a failed step: its saved-tensor hooks
+        must not leak into the next mode)."""
+        if self._in_step_context:
+            self._in_step_context = False
+            self._step_context.__exit__(None, None, None)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -230,9 +242,15 @@ def _availability(mode: str, on_accelerator: bool) -> str:
     anchor = ALL_ANCHORS.get(mode)
     if mode in ACCELERATOR_ANCHORS and not on_accelerator:
         return "unavailable: needs a CUDA device"
-    package = getattr(anchor, "requires", None)
-    if package is not None and importlib.util.find_spec(package) is None:
-        return f"unavailable: {package} is not installed"
+    module = getattr(anchor, "requires", None)
+    if module is not None:
+        package = module.split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            return f"unavailable: {package} is not installed"
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - installed but broken (a missing dependency): say so in the row
+            return f"unavailable: cannot import {module}: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return "ok"
 
 
@@ -259,7 +277,10 @@ def _run_mode(
     )
     # Each sample is the whole [batch, seq] tensor; the loader adds the batch dim.
     loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps), batch_size=None)
-    trainer.fit(module, loader)
+    try:
+        trainer.fit(module, loader)
+    finally:
+        module.leave_step_context()
     return metrics, module.grads
 
 

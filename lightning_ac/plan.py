@@ -130,8 +130,8 @@ class Plan:
             if device.type == "cpu" and not self.layer_offloading.copy_on_host:
                 raise ConfigError(
                     "layer_offloading: true needs an accelerator: on a CPU-only trainer the parameters already live "
-                    "in host memory. Set layer_offloading: false, or pass LayerOffload(copy_on_host=True) to run "
-                    "the copies anyway (tests, debugging)."
+                    "in host memory. Set layer_offloading: false, or run the copies anyway (tests, debugging) with "
+                    "LayerOffload(copy_on_host=True) (Hydra: offload_copy_on_host=true)."
                 )
 
     def apply(self, trainer: pl.Trainer, module: nn.Module) -> None:

@@ -7,7 +7,7 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from conftest import LM, VOCAB, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from torch import nn
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, callbacks_from_config
@@ -307,21 +307,13 @@ def test_fsdp_implementation_needs_an_fsdp_strategy(llama):
     assert model_fingerprint(module) == fingerprint
 
 
-@pytest.mark.parametrize("selective", [False, True])
-def test_layer_wrapper_keeps_the_kv_cache_out_of_the_recompute(selective):
-    """The wrapper behind ``implementation: fsdp`` on transformers layers, with the model's cache on (the default
-    for a forward without ``use_cache=False``): the recompute must not write the cache a second time, and nothing
-    in the cache may hold the layers' keys and values until backward."""
+def _wrap_with_torch_checkpoint(model, selective=False):
+    """The wrapper behind ``implementation: fsdp`` (and plain torch layers), applied directly."""
     from lightning_ac.checkpoint.torch_layers import wrap_layers
     from lightning_ac.config import parse_config
     from lightning_ac.layers import find_decoder_layers
     from lightning_ac.selective.apply import build_policy
 
-    base = tiny_model("llama")
-    ids = batches().dataset.tensors[0][:2]
-    reference = clone(base).train()
-    reference(input_ids=ids, labels=ids).loss.backward()
-    model = clone(base).train()
     config = parse_config({"selective": True} if selective else True)
     layers = find_decoder_layers(model)
     context_fn = None
@@ -330,11 +322,70 @@ def test_layer_wrapper_keeps_the_kv_cache_out_of_the_recompute(selective):
         policy.install()
         context_fn = policy.context_fn
     wrap_layers([m for _, m in layers.layers], config, context_fn)
+
+
+def _gpt2():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("selective", [False, True])
+def test_layer_wrapper_keeps_the_kv_cache_out_of_the_recompute(family, selective, caplog):
+    """With the model's cache on (the default for a forward without ``use_cache=False``), the recompute must not
+    write the cache a second time, and nothing in the cache may hold the layers' keys and values until backward.
+    Llama passes the cache by keyword, GPT-2 positionally."""
+    base = tiny_model("llama") if family == "llama" else _gpt2()
+    ids = batches().dataset.tensors[0][:2]
+    reference = clone(base).train()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    model = clone(base).train()
+    _wrap_with_torch_checkpoint(model, selective)
     out = model(input_ids=ids, labels=ids)
     assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 0
     out.loss.backward()
+    assert out.past_key_values.get_seq_length() == 0
     for (name, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_layer_wrapper_refuses_a_cache_that_holds_tokens():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama").train()
+    _wrap_with_torch_checkpoint(model)
+    ids = batches().dataset.tensors[0][:2]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :4], cache=cache, use_cache=True)  # 4 tokens, as prefix tuning would hold
+    with pytest.raises(RuntimeError, match="KV cache \\(cache\\) that already holds 4 tokens.*prefix tuning"):
+        model(input_ids=ids, cache=cache, labels=ids)
+
+
+def test_layer_wrapper_keeps_cache_named_inputs_of_plain_torch_layers():
+    from lightning_ac.checkpoint.torch_layers import wrap_layers
+    from lightning_ac.config import parse_config
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x, cache=None):
+            return self.linear(x) + (cache if cache is not None else 0)
+
+    block = Block()
+    x, memory = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+    expected = block(x, cache=memory)
+    wrap_layers([block], parse_config(True))
+    assert torch.equal(block(x, cache=memory), expected), "here `cache` is an input, not a KV cache"
 
 
 @pytest.mark.parametrize(

@@ -225,4 +225,20 @@ def test_multirun_records_a_bad_value_and_runs_the_other_jobs(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1"]
     assert "'disk' is rejected" in rows[0]["error"] and rows[0]["steps"] == ""
     assert rows[1]["error"] == "" and rows[1]["steps"] == "4", "the job after the bad one still trains"
-    assert "1 sweep job(s) stopped on a bad value:\n  job 0 (full): activation_checkpointing.offload" in result.stderr
+    listing = result.stderr.split("1 sweep job(s) stopped on a bad value:\n")[1].splitlines()[0]
+    assert listing.startswith("  job 0 (") and "activation_checkpointing.offload.hidden_states=disk" in listing
+    assert rows[0]["overrides"] != rows[1]["overrides"], "jobs that differ only in an override are told apart"
+    # A new sweep into the same directory reports its own jobs only.
+    again = train(tmp_path, "activation_checkpointing=full", multirun=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "sweep_summary.csv")))
+    assert [(r["job"], r["error"]) for r in rows] == [("0", "")]
+
+
+def test_multirun_records_a_crashed_job(tmp_path):
+    result = train(tmp_path, "optim.lr=-1.0,0.001", multirun=True)  # AdamW refuses a negative learning rate
+    assert result.returncode == 1 and "Invalid learning rate" in result.stderr  # Hydra's report, after the batch
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "sweep_summary.csv")))
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert rows[0]["error"].startswith("crashed: ValueError: Invalid learning rate")
+    assert rows[1]["error"] == "" and rows[1]["steps"] == "4"

@@ -8,7 +8,9 @@ not change; removing the instance attribute restores the class's ``forward``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional
+import inspect
+import logging
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -19,19 +21,75 @@ from lightning_ac.config import ActivationCheckpointingConfig
 __all__ = ["wrap_layers", "TORCH_ATTRIBUTES"]
 
 TORCH_ATTRIBUTES = ("forward",)
-# Keyword arguments through which a layer writes to a KV cache. Under checkpointing the recompute would write it a
-# second time (transformers then slices the doubled keys back, an op the forward never ran, which selective
-# checkpointing rejects), and the cache, bound into the recompute, would keep every layer's keys and values alive
-# until backward. Like transformers' own wrapper, a checkpointed call runs without them; transformers' layers that
-# only read the cache say so with ``_can_checkpoint_with_cache``.
+# Keyword arguments that would make a layer write to a KV cache: forced off whenever we checkpoint a layer.
 _CACHE_FLAGS = ("use_cache",)
+# The cache objects of transformers' layers (current and older names). Under checkpointing the recompute would
+# write the cache a second time (SDPA then slices the doubled keys back, an op the forward never ran, which
+# selective checkpointing rejects), and the cache, bound into the recompute, would keep every layer's keys and
+# values alive until backward. Like transformers' own wrapper (which the model's ``gradient_checkpointing`` flag
+# normally pairs with), a checkpointed call of a transformers layer runs without it, whether it is passed by
+# keyword or positionally (GPT-2); layers that only read the cache say so with ``_can_checkpoint_with_cache``.
+# Plain torch layers keep their arguments: there these names may be real inputs.
 _CACHE_OBJECTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+log = logging.getLogger("lightning_ac")
+_warned_classes: Set[str] = set()
+
+
+def _drops_cache(layer: nn.Module) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(layer, GradientCheckpointingLayer) and not getattr(layer, "_can_checkpoint_with_cache", False)
+
+
+def _cache_positions(forward: Callable[..., Any]) -> Dict[str, int]:
+    """Positions of the cache arguments in ``forward``'s signature (callers such as GPT-2 pass it positionally)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {name: positional.index(name) for name in _CACHE_OBJECTS if name in positional}
+
+
+def _without_cache(layer: nn.Module, positions: Dict[str, int], args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """``args`` and ``kwargs`` with the cache objects set to None. A cache that already holds tokens (PEFT prefix
+    tuning keeps its virtual tokens there) cannot be dropped without changing the result: that is an error."""
+    args = list(args)
+    found = [(name, kwargs[name]) for name in _CACHE_OBJECTS if kwargs.get(name) is not None]
+    found += [(name, args[i]) for name, i in positions.items() if i < len(args) and args[i] is not None]
+    for name, cache in found:
+        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if length:
+            raise RuntimeError(
+                f"{type(layer).__name__} was called with a KV cache ({name}) that already holds {length} tokens, e.g. "
+                "PEFT prefix tuning's virtual tokens. A checkpointed layer runs without its cache (the recompute "
+                "would write it twice), which would change the result. Disable activation checkpointing for this "
+                "model, or use an adapter that does not live in the cache (LoRA)."
+            )
+    for name in _CACHE_OBJECTS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    for i in positions.values():
+        if i < len(args):
+            args[i] = None
+    if found and type(layer).__name__ not in _warned_classes:
+        _warned_classes.add(type(layer).__name__)  # once per layer class, like transformers' warning_once
+        log.warning(
+            "lightning_ac: %s runs checkpointed calls without its KV cache (%s): the recompute would write it a "
+            "second time.",
+            type(layer).__name__,
+            ", ".join(name for name, _ in found),
+        )
+    return tuple(args), kwargs
 
 
 def _checkpointed_forward(
     layer: nn.Module, forward: Callable[..., Any], checkpoint_kwargs: Dict[str, Any], checkpoint_fn: Callable[..., Any]
 ) -> Callable[..., Any]:
     reentrant = checkpoint_kwargs.get("use_reentrant", False)
+    drops_cache = _drops_cache(layer)
+    positions = _cache_positions(forward) if drops_cache else {}
 
     @functools.wraps(forward)
     def forward_with_checkpointing(*args: Any, **kwargs: Any) -> Any:
@@ -40,10 +98,8 @@ def _checkpointed_forward(
         for flag in _CACHE_FLAGS:
             if kwargs.get(flag):
                 kwargs[flag] = False
-        if not getattr(layer, "_can_checkpoint_with_cache", False):
-            for name in _CACHE_OBJECTS:
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
+        if drops_cache:
+            args, kwargs = _without_cache(layer, positions, args, kwargs)
         if reentrant and any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values()):
             raise RuntimeError(
                 f"{type(layer).__name__} was called with a tensor that requires grad as a keyword argument "
