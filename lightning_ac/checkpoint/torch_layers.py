@@ -37,8 +37,10 @@ _warned_classes: Set[str] = set()
 
 
 def _drops_cache(layer: nn.Module) -> bool:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # plain torch layers only
+        return False
     return isinstance(layer, GradientCheckpointingLayer) and not getattr(layer, "_can_checkpoint_with_cache", False)
 
 
