@@ -329,6 +329,21 @@ class Plan:
             f"lightning_ac: layer offloading: frozen parameters of {len(with_params)}/{len(streamer.layers)} decoder "
             f"layers ({total / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time"
         )
+        streamed = {id(p) for p in streamer.streamed}
+        frozen_kept = {
+            id(p): p.numel() * p.element_size()
+            for module in streamer.modules
+            for p in module.parameters()
+            if not p.requires_grad and id(p) not in streamed
+        }
+        kept = sum(frozen_kept.values())
+        if kept > total:
+            rank_zero_log(
+                f"lightning_ac: layer offloading streams {total / 2**20:.1f} MiB, but {kept / 2**20:.1f} MiB of frozen "
+                "decoder-layer parameters stay on the device: they are parameter subclasses (quantized weights such "
+                "as bitsandbytes' Params4bit, DTensor shards) or shared between layers, which it does not move.",
+                logging.WARNING,
+            )
         fp32 = any(p.dtype == torch.float32 for p in streamer.streamed)
         recomputed_everywhere = bool(self.checkpointed) and all(self.checkpointed)
         if "mixed" in self._precision and fp32 and not recomputed_everywhere:

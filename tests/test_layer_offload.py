@@ -355,6 +355,25 @@ def test_mixed_precision_without_recompute_warns(lora_llama, caplog):
     assert not any("autocast makes a half-precision copy" in r.getMessage() for r in caplog.records)
 
 
+class QuantizedLike(nn.Parameter):
+    """Stands in for a quantized weight class (bitsandbytes' Params4bit): a Parameter subclass."""
+
+
+def test_frozen_weights_it_cannot_move_are_named(lora_llama, caplog):
+    model = clone(lora_llama)
+    for layer in model.base_model.model.model.layers:
+        for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.self_attn.q_proj):
+            weight = proj.base_layer.weight
+            proj.base_layer.weight = QuantizedLike(weight.detach(), requires_grad=False)
+    callback = layer_offload()
+    reference = fit(clone(model), max_steps=2)
+    run = fit(model, [callback], max_steps=2)
+    assert_same_training(reference, run)
+    warned = [r.getMessage() for r in caplog.records if "stay on the device" in r.getMessage()]
+    assert len(warned) == 1 and "Params4bit" in warned[0]
+    assert callback.host_bytes < frozen_layer_bytes(lora_llama) / 2
+
+
 def test_not_enough_host_memory_is_an_error_before_anything_moves(lora_llama):
     from lightning_ac.offload import HostMemoryError
 
