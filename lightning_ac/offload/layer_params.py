@@ -43,7 +43,7 @@ def frozen_layer_parameters(layers: Sequence[nn.Module]) -> List[List[nn.Paramet
     sharded subclasses), and used by that layer only (a parameter shared between layers stays put)."""
     owners: Dict[int, int] = {}
     for layer in layers:
-        for p in {id(p): p for p in layer.parameters()}.values():
+        for p in layer.parameters():  # each parameter once per layer (parameters() drops duplicates)
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [
         [p for p in layer.parameters() if not p.requires_grad and type(p) is nn.Parameter and owners[id(p)] == 1]
@@ -185,9 +185,13 @@ class LayerParamStreamer:
             layer.host = self._host_copies(layer.params)
             for p, host in zip(layer.params, layer.host):
                 p.data = host
+        self._count_host_bytes()
+        self._offloaded = True
+
+    def _count_host_bytes(self) -> None:
+        for layer in self.layers:
             layer.nbytes = sum(_nbytes(h) for h in layer.host)
         self.host_bytes = sum(layer.nbytes for layer in self.layers)
-        self._offloaded = True
 
     def _host_copies(self, params: Sequence[nn.Parameter]) -> List[torch.Tensor]:
         """Host copies of ``params``: slices of one buffer for the layer (a non-contiguous parameter gets
@@ -246,6 +250,8 @@ class LayerParamStreamer:
         """Between uses: a parameter that now trains (a fine-tuning schedule unfroze it) leaves the stream and
         gets device memory of its own; one whose data someone replaced (``model.to(...)``) gets a new host
         copy."""
+        if all(not p.requires_grad and _holds(p, h) for p, h in zip(layer.params, layer.host)):
+            return  # the usual case, checked at every load: nothing changed since the last use
         keep = [(p, h) for p, h in zip(layer.params, layer.host) if not p.requires_grad]
         for p, host in zip(layer.params, layer.host):
             if p.requires_grad:
@@ -256,8 +262,7 @@ class LayerParamStreamer:
                 fresh = self._host_copies([p])[0]
                 layer.host[slot] = fresh
                 p.data = fresh
-        layer.nbytes = sum(_nbytes(h) for h in layer.host)
-        self.host_bytes = sum(other.nbytes for other in self.layers)
+        self._count_host_bytes()
 
     # -- moving parameters --------------------------------------------------------------------------------
 
