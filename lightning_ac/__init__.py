@@ -1,5 +1,6 @@
 """lightning_ac: activation checkpointing and offloading for PyTorch Lightning, driven by one config block."""
 
+from lightning_ac._logging import LightningACWarning
 from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, LayerOffload, callbacks_from_config
 from lightning_ac.config import (
     ActivationCheckpointingConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "ActivationOffload",
     "ConfigError",
     "LayerOffload",
+    "LightningACWarning",
     "LegacyConfigWarning",
     "OffloadConfig",
     "Placement",

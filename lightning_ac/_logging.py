@@ -1,12 +1,26 @@
-"""The ``lightning_ac`` logger and rank-zero helpers."""
+"""The one ``lightning_ac`` logger, and the rank-zero channels every message of the suite goes through.
+
+Information goes to :func:`rank_zero_info` (the ``lightning_ac`` logger), warnings to :func:`rank_zero_warn`
+(Python's ``warnings``, with a category users can filter), as Lightning's own callbacks do. Both add the
+``lightning_ac:`` prefix here, so no message writes its own.
+"""
 
 from __future__ import annotations
 
 import logging
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn as _lightning_rank_zero_warn
+
+__all__ = ["LightningACWarning", "log", "rank_zero_info", "rank_zero_warn"]
+
+PREFIX = "lightning_ac: "
 
 log = logging.getLogger("lightning_ac")
+
+
+class LightningACWarning(UserWarning):
+    """A setting that works but costs more, or saves less, than a user would expect."""
 
 
 class _WhenUnconfigured(logging.Filter):
@@ -24,6 +38,11 @@ if not log.handlers:
 
 
 @rank_zero_only
-def rank_zero_log(message: str, level: int = logging.INFO) -> None:
-    """Log ``message`` on global rank zero only."""
-    log.log(level, message)
+def rank_zero_info(message: str) -> None:
+    """Log ``message`` at INFO on global rank zero only."""
+    log.info(PREFIX + message)
+
+
+def rank_zero_warn(message: str, category: type[Warning] = LightningACWarning, stacklevel: int = 5) -> None:
+    """Warn with ``category`` on global rank zero only (Lightning's ``rank_zero_warn``)."""
+    _lightning_rank_zero_warn(PREFIX + message, stacklevel=stacklevel, category=category)

@@ -1,34 +1,39 @@
-"""The Lightning faces of the suite: thin callbacks over one shared :class:`~lightning_ac.plan.Plan`."""
+"""The Lightning faces of the suite: thin callbacks that turn their arguments into typed requests
+(:mod:`lightning_ac.config`) and share one :class:`~lightning_ac.plan.Plan` per Trainer run.
+
+Whichever suite callback reaches ``setup`` first gathers the requests of every suite callback in
+``trainer.callbacks``, builds the plan (which checks their combination) and applies it; the others find it
+applied. Removal happens once, in ``teardown`` or ``on_exception``.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_ac._logging import rank_zero_log
-from lightning_ac.config import ConfigError, OffloadConfig, Placement, config_to_dict, parse_config, parse_placement
+from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac.config import (
+    OFFLOAD_TARGETS,
+    ActivationOffloadRequest,
+    CheckpointingRequest,
+    ConfigError,
+    LayerOffloadRequest,
+    OffloadConfig,
+    config_to_dict,
+    parse_bool,
+    parse_config,
+)
 from lightning_ac.layers import LayerSpec
-from lightning_ac.offload.host_memory import available_host_bytes
-from lightning_ac.offload.runtime import TARGETS
+from lightning_ac.offload.device import available_host_bytes
 from lightning_ac.plan import Plan
-from lightning_ac.report import layer_rows, render_layer_table
+from lightning_ac.report import render_layer_table
 
 __all__ = ["ActivationCheckpointing", "ActivationOffload", "LayerOffload", "SuiteCallback", "callbacks_from_config"]
 
-
-def _check_layers(layers: Optional[Sequence[LayerSpec]], owner: str) -> Optional[List[LayerSpec]]:
-    if layers is None:
-        return None
-    if isinstance(layers, (str, type)) or not all(isinstance(s, (str, type)) for s in layers):
-        raise ConfigError(
-            f"{owner}(layers=...): expected a list of layer classes or module-name globs, "
-            f"got {layers!r}. Write layers=[MyBlock] or layers=['model.blocks.*']."
-        )
-    return list(layers)
+_C = TypeVar("_C", bound="SuiteCallback")
 
 
 class SuiteCallback(Callback):
@@ -36,12 +41,14 @@ class SuiteCallback(Callback):
     ``teardown`` and ``on_exception``."""
 
     _plan: Optional[Plan] = None
+    _peers: List[SuiteCallback] = []
     verbose: bool = False
     prog_bar: bool = False
 
-    def block(self) -> Dict[str, Any]:
-        """This callback's part of the ``activation_checkpointing`` block."""
-        raise NotImplementedError
+    def _init_output(self, verbose: Any, prog_bar: Any) -> None:
+        name = type(self).__name__
+        self.verbose = bool(parse_bool(verbose, f"{name}(verbose=...)"))
+        self.prog_bar = bool(parse_bool(prog_bar, f"{name}(prog_bar=...)"))
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -51,20 +58,25 @@ class SuiteCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._plan is not None and self._plan.module is pl_module:
             return  # another suite callback applied the shared plan already
-        plan = Plan.gather(trainer)
-        for cb in plan.callbacks:
-            cb._plan = plan
+        peers = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
+        plan = Plan(
+            checkpointing=_request_of(peers, ActivationCheckpointing),
+            activation_offload=_request_of(peers, ActivationOffload),
+            layer_offload=_request_of(peers, LayerOffload),
+        )
+        for cb in peers:
+            cb._plan, cb._peers = plan, peers
         plan.apply(trainer, pl_module)
 
     def _release(self, after_exception: bool = False) -> None:
-        plan = self._plan
+        plan, peers = self._plan, self._peers
         if plan is None:
             return
         try:
             plan.remove(after_exception)
         finally:
-            for cb in plan.callbacks:
-                cb._plan = None
+            for cb in peers:
+                cb._plan, cb._peers = None, []
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
@@ -73,12 +85,11 @@ class SuiteCallback(Callback):
         self._release(after_exception=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        plan = self._plan
-        if plan is None or plan.callbacks[0] is not self or not any(cb.verbose for cb in plan.callbacks):
+        if self._plan is None or not self._is_first() or not any(cb.verbose for cb in self._peers):
             return  # one table per run, from the first suite callback
-        rows = layer_rows(plan)
+        rows = self._plan.layer_rows()
         if rows:
-            rank_zero_log(render_layer_table(rows))
+            rank_zero_info("decoder layers\n" + render_layer_table(rows))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -93,11 +104,22 @@ class SuiteCallback(Callback):
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
             pl_module.log(
                 "lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1,
-                prog_bar=any(cb.prog_bar for cb in self._plan.callbacks),
+                prog_bar=any(cb.prog_bar for cb in self._peers),
             )  # fmt: skip
 
     def _is_first(self) -> bool:
-        return self._plan is not None and self._plan.callbacks[0] is self
+        return self._plan is not None and bool(self._peers) and self._peers[0] is self
+
+
+def _request_of(peers: Sequence[SuiteCallback], kind: Type[_C]) -> Any:
+    """The request of the one callback of ``kind`` among ``peers``, ``None`` if there is none."""
+    found = [cb for cb in peers if isinstance(cb, kind)]
+    if len(found) > 1:
+        raise ConfigError(
+            f"Trainer(callbacks=...) holds more than one {kind.__name__}. Each suite callback may appear once: "
+            "merge their arguments into one instance."
+        )
+    return found[0].request if found else None
 
 
 class ActivationCheckpointing(SuiteCallback):
@@ -105,7 +127,8 @@ class ActivationCheckpointing(SuiteCallback):
 
     Args:
         implementation: ``"hf"`` (transformers' checkpointing; plain torch layers get the equivalent torch
-            wrapper) or ``"fsdp"`` (FSDP2's checkpoint wrapper; needs an FSDP strategy).
+            wrapper) or ``"fsdp"`` (torch's non-reentrant checkpoint around each layer's ``forward``, outside
+            transformers; needs an FSDP strategy).
         reentrant: ``use_reentrant``. ``None`` (default) picks non-reentrant checkpointing.
         kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments (``preserve_rng_state``,
             ``determinism_check``, ``debug``, ``early_stop``) plus ``every_n_layers``.
@@ -136,27 +159,27 @@ class ActivationCheckpointing(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        layers = _check_layers(layers, "ActivationCheckpointing")
-        self.config = parse_config(
-            {
-                "implementation": implementation,
-                "reentrant": reentrant,
-                "kwargs": dict(kwargs or {}),
-                "selective": selective,
-            }
+        self.request = CheckpointingRequest.from_arguments(
+            implementation=implementation, reentrant=reentrant, kwargs=kwargs, selective=selective, layers=layers
         )
-        self.layers = layers
-        self.verbose = bool(verbose)
-        self.prog_bar = bool(prog_bar)
+        self._init_output(verbose, prog_bar)
 
-    def block(self) -> Dict[str, Any]:
-        cfg = self.config
-        return {
-            "implementation": cfg.implementation,
-            "reentrant": cfg.reentrant,
-            "kwargs": dict(cfg.kwargs),
-            "selective": config_to_dict(cfg)["selective"],
-        }
+    @classmethod
+    def _from_request(cls, request: CheckpointingRequest, verbose: bool = False) -> ActivationCheckpointing:
+        """A callback for a request built from an already validated block (not validated again)."""
+        callback = cls.__new__(cls)
+        callback.request = request
+        callback._init_output(verbose, False)
+        return callback
+
+    @property
+    def config(self) -> Any:
+        """The recompute part of the block this callback asks for."""
+        return self.request.config
+
+    @property
+    def layers(self) -> Optional[List[LayerSpec]]:
+        return self.request.layers
 
     @property
     def state_key(self) -> str:
@@ -168,10 +191,9 @@ class ActivationCheckpointing(SuiteCallback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("activation_checkpointing")
         if saved is not None and saved != config_to_dict(self.config):
-            rank_zero_log(
-                f"lightning_ac: resuming with activation_checkpointing {config_to_dict(self.config)}; the "
-                f"checkpoint was written with {saved}. Memory use and step time may differ; gradients do not.",
-                logging.WARNING,
+            rank_zero_warn(
+                f"resuming with activation_checkpointing {config_to_dict(self.config)}; the checkpoint was written "
+                f"with {saved}. Memory use and step time may differ; gradients do not."
             )
 
 
@@ -220,81 +242,59 @@ class ActivationOffload(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.verbose = bool(verbose)
-        self.prog_bar = bool(prog_bar)
-        self.offload = OffloadConfig(
-            hidden_states=parse_placement(hidden_states, "ActivationOffload(hidden_states=...)"),
-            selective=parse_placement(selective, "ActivationOffload(selective=...)"),
-            all=parse_placement(all, "ActivationOffload(all=...)"),
+        self.request = ActivationOffloadRequest(
+            OffloadConfig(hidden_states=hidden_states, selective=selective, all=all),
+            copy_on_host=copy_on_host,
+            min_offload_bytes=min_offload_bytes,
+            max_pinned_bytes=max_pinned_bytes,
+            host_reserve_bytes=host_reserve_bytes,
         )
-        if self.offload.hidden_states != Placement.none and self.offload.all != Placement.none:
-            raise ConfigError(
-                "ActivationOffload: hidden_states='cpu' cannot be combined with all='cpu', which already offloads "
-                "each layer's input. Keep one of them."
-            )
-        for name, value in (("min_offload_bytes", min_offload_bytes), ("max_pinned_bytes", max_pinned_bytes),
-                            ("host_reserve_bytes", host_reserve_bytes)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"ActivationOffload({name}=...): expected an integer >= 0, got {value!r}.")
-        if not isinstance(copy_on_host, bool):
-            raise ConfigError(f"ActivationOffload(copy_on_host=...): expected True or False, got {copy_on_host!r}.")
-        self.copy_on_host = copy_on_host
-        self.min_offload_bytes = min_offload_bytes
-        self.max_pinned_bytes = max_pinned_bytes
-        self.host_reserve_bytes = host_reserve_bytes
-        self.last_step: Dict[str, Dict[str, int]] = {t: {"tensors": 0, "bytes": 0} for t in TARGETS}
+        self._init_output(verbose, prog_bar)
+        self.last_step: Dict[str, Dict[str, int]] = {t: {"tensors": 0, "bytes": 0} for t in OFFLOAD_TARGETS}
         self._reported_host_use = False
+
+    @property
+    def offload(self) -> OffloadConfig:
+        """Where each target's tensors go."""
+        return self.request.offload
+
+    @property
+    def copy_on_host(self) -> bool:
+        return self.request.copy_on_host
+
+    @property
+    def targets(self) -> List[str]:
+        """The targets that move to the host."""
+        return self.offload.targets
 
     def _report_host_use(self, step_bytes: int) -> None:
         """After the first step: how much host memory a step holds, and a warning when little is left."""
         available = available_host_bytes()
         free = f", {available / 2**30:.1f} GiB host memory available" if available is not None else ""
-        rank_zero_log(f"lightning_ac: offloading {step_bytes / 2**20:.1f} MiB to host memory per step{free}")
+        rank_zero_info(f"offloading {step_bytes / 2**20:.1f} MiB to host memory per step{free}")
         if available is not None and step_bytes > 0.5 * available:
-            rank_zero_log(
-                f"lightning_ac: offloading holds {step_bytes / 2**30:.1f} GiB of host memory per step, more than half "
-                f"of the {available / 2**30:.1f} GiB available; a larger batch or sequence will not fit. Consider "
-                "offload.hidden_states instead of offload.all.",
-                logging.WARNING,
+            rank_zero_warn(
+                f"offloading holds {step_bytes / 2**30:.1f} GiB of host memory per step, more than half of the "
+                f"{available / 2**30:.1f} GiB available; a larger batch or sequence will not fit. Consider "
+                "offload.hidden_states instead of offload.all."
             )
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reported_host_use = False
         super().setup(trainer, pl_module, stage)
 
-    @property
-    def targets(self) -> List[str]:
-        """The targets that move to the host."""
-        return [t for t in TARGETS if getattr(self.offload, t) != Placement.none]
-
-    def needs_checkpointing(self) -> Optional[str]:
-        """A description of this callback if it cannot work without ActivationCheckpointing, else ``None``."""
-        needs = [t for t in ("hidden_states", "selective") if getattr(self.offload, t) != Placement.none]
-        return f"ActivationOffload({', '.join(f'{t}={chr(39)}cpu{chr(39)}' for t in needs)})" if needs else None
-
-    def runtime_kwargs(self) -> Dict[str, Any]:
-        return {
-            "copy_on_host": self.copy_on_host,
-            "min_offload_bytes": self.min_offload_bytes,
-            "max_pinned_bytes": self.max_pinned_bytes,
-            "host_reserve_bytes": self.host_reserve_bytes,
-        }
-
-    def block(self) -> Dict[str, Any]:
-        return {"offload": {t: str(getattr(self.offload, t)) for t in TARGETS}}
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._plan is not None and self._plan.offload is not None:
-            self._plan.offload.start_step()
+        if self._plan is not None and self._plan.activation_offload is not None:
+            self._plan.activation_offload.start_step()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        runtime = self._plan.offload if self._plan is not None else None
+        runtime = self._plan.activation_offload if self._plan is not None else None
         if runtime is None:
             return
         runtime.finish_step()
@@ -365,28 +365,24 @@ class LayerOffload(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.layers = _check_layers(layers, "LayerOffload")
-        if not isinstance(copy_on_host, bool):
-            raise ConfigError(f"LayerOffload(copy_on_host=...): expected True or False, got {copy_on_host!r}.")
-        if isinstance(host_reserve_bytes, bool) or not isinstance(host_reserve_bytes, int) or host_reserve_bytes < 0:
-            raise ConfigError(
-                f"LayerOffload(host_reserve_bytes=...): expected an integer >= 0, got {host_reserve_bytes!r}."
-            )
-        self.copy_on_host = copy_on_host
-        self.host_reserve_bytes = host_reserve_bytes
-        self.verbose = bool(verbose)
-        self.prog_bar = bool(prog_bar)
+        self.request = LayerOffloadRequest(layers, copy_on_host=copy_on_host, host_reserve_bytes=host_reserve_bytes)
+        self._init_output(verbose, prog_bar)
         self.last_step: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
         self.host_bytes = 0
 
-    def block(self) -> Dict[str, Any]:
-        return {}  # a separate key (layer_offloading), not part of the activation_checkpointing block
+    @property
+    def layers(self) -> Optional[List[LayerSpec]]:
+        return self.request.layers
+
+    @property
+    def copy_on_host(self) -> bool:
+        return self.request.copy_on_host
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        streamer = self._plan.layer_streamer if self._plan is not None else None
+        streamer = self._plan.weight_streamer if self._plan is not None else None
         if streamer is not None:
             streamer.start_step()
 
@@ -394,7 +390,7 @@ class LayerOffload(SuiteCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        streamer = self._plan.layer_streamer if self._plan is not None else None
+        streamer = self._plan.weight_streamer if self._plan is not None else None
         if streamer is None:
             return
         self.last_step = dict(streamer.stats)
@@ -411,7 +407,8 @@ def callbacks_from_config(
     """Build the suite callbacks an ``activation_checkpointing`` block asks for.
 
     Args:
-        block: The block in any form :func:`~lightning_ac.parse_config` accepts.
+        block: The block in any form :func:`~lightning_ac.parse_config` accepts (a block it returned is not
+            validated again).
         layer_offloading: The separate ``layer_offloading`` key.
         copy_on_host: Passed to :class:`ActivationOffload` and :class:`LayerOffload`: run the offload copies on a
             CPU-only trainer too.
@@ -424,21 +421,13 @@ def callbacks_from_config(
         ConfigError: If the block or ``layer_offloading`` is invalid.
     """
     cfg = parse_config(block)
-    if not isinstance(layer_offloading, bool):
-        raise ConfigError(f"layer_offloading: expected true or false, got {layer_offloading!r}.")
+    layer_offloading = bool(parse_bool(layer_offloading, "layer_offloading"))
+    verbose = bool(parse_bool(verbose, "verbose"))
     callbacks: List[Callback] = []
     if cfg.enabled:
-        callbacks.append(
-            ActivationCheckpointing(
-                implementation=cfg.implementation,
-                reentrant=cfg.reentrant,
-                kwargs=cfg.kwargs,
-                selective=config_to_dict(cfg)["selective"],
-                verbose=verbose,
-            )
-        )
+        callbacks.append(ActivationCheckpointing._from_request(CheckpointingRequest.from_config(cfg), verbose))
     off = cfg.offload
-    if any(getattr(off, t) != Placement.none for t in ("hidden_states", "selective", "all")):
+    if off.targets:
         callbacks.append(
             ActivationOffload(
                 hidden_states=off.hidden_states,

@@ -1,9 +1,15 @@
-"""The ``activation_checkpointing`` block: typed dataclasses, validation and normalisation.
+"""The ``activation_checkpointing`` block and the callbacks' typed requests: dataclasses, validation, rules.
 
-One source of truth for the rules: :func:`parse_config` validates every form a user can write (``bool``,
-``None``, a mapping, an OmegaConf ``DictConfig`` or an already-built dataclass), and the callbacks validate
-through the same function. The dataclasses double as Hydra structured configs, so the fields that accept
-several forms (``selective``, the offload targets) are typed ``Any`` for OmegaConf and normalised here.
+One source of truth for the rules. :func:`parse_config` validates every form a user can write (``bool``,
+``None``, a mapping, an OmegaConf ``DictConfig`` or an already-built dataclass). Each suite callback turns its
+arguments into a request (:class:`CheckpointingRequest`, :class:`ActivationOffloadRequest`,
+:class:`LayerOffloadRequest`), validated where it is built with the same field checks, and the plan merges the
+requests with :func:`merge_requests`, which checks the combination with :func:`check_combination`, the function
+the block uses. Every message has one shape: the field as the user wrote it, what it expects, what it got, and
+the fix.
+
+The block's dataclasses double as Hydra structured configs, so the fields that accept several forms
+(``selective``, the offload targets) are typed ``Any`` for OmegaConf and normalised here.
 """
 
 from __future__ import annotations
@@ -17,15 +23,26 @@ from typing import Any, Dict, List, Optional
 
 import torch.utils.checkpoint
 
+from lightning_ac.layers import LayerSpec
+
 __all__ = [
     "ActivationCheckpointingConfig",
+    "ActivationOffloadRequest",
+    "CheckpointingRequest",
     "ConfigError",
+    "LayerOffloadRequest",
     "OffloadConfig",
     "Placement",
     "SelectiveConfig",
+    "check_combination",
+    "merge_requests",
+    "parse_bool",
     "parse_config",
+    "parse_count",
+    "parse_layers",
     "parse_placement",
     "CHECKPOINT_KWARGS",
+    "OFFLOAD_TARGETS",
 ]
 
 
@@ -85,6 +102,16 @@ class OffloadConfig:
     selective: Any = Placement.none
     all: Any = Placement.none
 
+    @property
+    def targets(self) -> List[str]:
+        """The targets that move to the host, in :data:`OFFLOAD_TARGETS` order."""
+        return [t for t in OFFLOAD_TARGETS if getattr(self, t) != Placement.none]
+
+    @property
+    def needs_checkpointing(self) -> List[str]:
+        """The targets that act on checkpointed decoder layers."""
+        return [t for t in self.targets if t in ("hidden_states", "selective")]
+
 
 @dataclass
 class ActivationCheckpointingConfig:
@@ -95,7 +122,10 @@ class ActivationCheckpointingConfig:
 
     Attributes:
         enabled: Recompute decoder layers in backward. ``False`` leaves only ``offload.all`` in effect.
-        implementation: ``hf`` (transformers' checkpointing) or ``fsdp`` (FSDP2's checkpoint wrapper).
+        implementation: ``hf`` (transformers' checkpointing; plain torch layers get torch's checkpoint around
+            their ``forward``) or ``fsdp`` (torch's non-reentrant checkpoint around each decoder layer's
+            ``forward``, outside transformers, so FSDP's hooks stay outside the recompute; needs an FSDP
+            strategy).
         reentrant: ``use_reentrant``; ``None`` picks the default (non-reentrant).
         kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments, plus ``every_n_layers``.
         selective: Selective activation checkpointing, ``None`` when off.
@@ -125,11 +155,6 @@ class ActivationCheckpointingConfig:
         kwargs = {k: v for k, v in self.kwargs.items() if k != "every_n_layers"}
         return {"use_reentrant": self.use_reentrant, **kwargs}
 
-    @property
-    def is_active(self) -> bool:
-        """Whether the block asks for anything at all (recompute or any offload)."""
-        return self.enabled or self.offload.all != Placement.none
-
 
 IMPLEMENTATIONS = ("hf", "fsdp")
 
@@ -152,7 +177,11 @@ _KWARG_TYPES: Dict[str, tuple] = {
 }
 _FIELDS = tuple(f.name for f in dataclasses.fields(ActivationCheckpointingConfig))
 _SELECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SelectiveConfig))
-_OFFLOAD_TARGETS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+# The offload targets, in the order messages, metrics and reports list them.
+OFFLOAD_TARGETS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+# Set on configs that parse_config returned, so that passing one on (the Hydra job hands its parsed block to
+# callbacks_from_config) does not validate it a second time.
+_VALIDATED = "_lightning_ac_validated"
 
 
 def _plain(value: Any) -> Any:
@@ -178,13 +207,46 @@ def _reject_unknown(mapping: Mapping, known: tuple, where: str) -> None:
         )
 
 
-def _parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[bool]:
+def _expected(name: str, expected: str, value: Any, fix: str = "") -> ConfigError:
+    """The one shape of a field error: the field as the user wrote it, what it takes, what it got, the fix."""
+    return ConfigError(f"{name}: expected {expected}, got {value!r}." + (f" {fix}" if fix else ""))
+
+
+def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[bool]:
+    """A boolean field: ``True`` or ``False`` only (``"false"`` and ``0`` are errors, not falsy).
+
+    Args:
+        value: What the user gave.
+        name: The field as the user wrote it (``activation_checkpointing.reentrant``, ``LayerOffload(verbose=...)``).
+        allow_none: Whether ``None`` (automatic) is accepted.
+    """
     if value is None and allow_none:
         return None
     if not isinstance(value, bool):
         expected = "true, false or null" if allow_none else "true or false"
-        raise ConfigError(f"{name}: expected {expected}, got {value!r}. Set {name} to {expected}.")
+        raise _expected(name, expected, value, f"Set {name} to {expected}.")
     return value
+
+
+def parse_count(value: Any, name: str, *, minimum: int = 0, fix: str = "") -> int:
+    """An integer field (a byte count, a layer count) of at least ``minimum``; booleans are rejected."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _expected(name, f"an integer >= {minimum}", value, fix)
+    return value
+
+
+def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
+    """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs."""
+    if value is None:
+        return None
+    if isinstance(value, (str, type)) or not all(isinstance(s, (str, type)) for s in value):
+        raise _expected(
+            name,
+            "a list of layer classes or module-name globs",
+            value,
+            "Write layers=[MyBlock] or layers=['model.blocks.*'].",
+        )
+    return list(value)
 
 
 def parse_placement(value: Any, name: str) -> Placement:
@@ -201,7 +263,7 @@ def parse_placement(value: Any, name: str) -> Placement:
                 f"Use {name}: cpu to keep these tensors in host memory instead."
             )
         return placement
-    raise ConfigError(f"{name}: expected none, cpu (or true/false), got {value!r}. Set {name}: cpu or {name}: none.")
+    raise _expected(name, "none, cpu (or true/false)", value, f"Set {name}: cpu or {name}: none.")
 
 
 def _parse_str_list(value: Any, name: str) -> List[str]:
@@ -227,16 +289,18 @@ def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
     where = "activation_checkpointing.selective"
     defaults = SelectiveConfig()
     min_k = value.get("save_matmul_min_k", None)
-    if min_k is not None and (isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1):
-        raise ConfigError(
-            f"{where}.save_matmul_min_k: expected an integer >= 1 (a matmul's contraction dim), got {min_k!r}. "
-            "Set it to a linear layer's in_features, e.g. 4096, or leave it out."
+    if min_k is not None:
+        parse_count(
+            min_k,
+            f"{where}.save_matmul_min_k",
+            minimum=1,
+            fix="It is a matmul's contraction dim: set it to a linear layer's in_features, e.g. 4096, or leave it out.",
         )
     return SelectiveConfig(
         save=_parse_str_list(value.get("save", defaults.save), f"{where}.save"),
         save_modules=_parse_str_list(value.get("save_modules", defaults.save_modules), f"{where}.save_modules"),
         save_matmul_min_k=min_k,
-        save_sliding_window=bool(_parse_bool(value.get("save_sliding_window", False), f"{where}.save_sliding_window")),
+        save_sliding_window=bool(parse_bool(value.get("save_sliding_window", False), f"{where}.save_sliding_window")),
         recompute_layer_types=_parse_str_list(
             value.get("recompute_layer_types", defaults.recompute_layer_types), f"{where}.recompute_layer_types"
         ),
@@ -267,11 +331,12 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
                 "of passing use_reentrant in kwargs."
             )
         if key == "every_n_layers":
-            if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
-                raise ConfigError(
-                    f"{where}.every_n_layers: expected an integer >= 1, got {arg!r}. "
-                    "Use 1 to checkpoint every decoder layer, 2 for every second one."
-                )
+            parse_count(
+                arg,
+                f"{where}.every_n_layers",
+                minimum=1,
+                fix="Use 1 to checkpoint every decoder layer, 2 for every second one.",
+            )
             continue
         if key not in CHECKPOINT_KWARGS:
             raise ConfigError(
@@ -281,11 +346,9 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
             )
         types = _KWARG_TYPES.get(key)
         if types and not isinstance(arg, types):
-            raise ConfigError(f"{where}.{key}: expected {types[0].__name__}, got {arg!r}.")
+            raise _expected(f"{where}.{key}", types[0].__name__, arg)
     if "determinism_check" in kwargs and kwargs["determinism_check"] not in ("default", "none"):
-        raise ConfigError(
-            f"{where}.determinism_check: expected 'default' or 'none', got {kwargs['determinism_check']!r}."
-        )
+        raise _expected(f"{where}.determinism_check", "'default' or 'none'", kwargs["determinism_check"])
     return kwargs
 
 
@@ -298,14 +361,23 @@ def _parse_offload(value: Any) -> OffloadConfig:
             f"activation_checkpointing.offload: offload is a mapping, not a value; got {value!r}. "
             "Name a target, e.g. offload: {all: cpu} or offload: {hidden_states: cpu}."
         )
-    _reject_unknown(value, _OFFLOAD_TARGETS, "activation_checkpointing.offload")
+    _reject_unknown(value, OFFLOAD_TARGETS, "activation_checkpointing.offload")
     return OffloadConfig(
-        **{t: parse_placement(value.get(t), f"activation_checkpointing.offload.{t}") for t in _OFFLOAD_TARGETS}
+        **{t: parse_placement(value.get(t), f"activation_checkpointing.offload.{t}") for t in OFFLOAD_TARGETS}
     )
 
 
-def _check_combination(cfg: ActivationCheckpointingConfig) -> None:
-    """The rules that tie fields together; shared by YAML and Python."""
+def check_offload_targets(offload: OffloadConfig, where: str) -> None:
+    """The rule between offload targets, for the block and for ``ActivationOffload`` alike."""
+    if offload.hidden_states != Placement.none and offload.all != Placement.none:
+        raise ConfigError(
+            f"{where}: hidden_states: cpu cannot be combined with all: cpu, which already offloads each layer's "
+            "input. Keep one of them."
+        )
+
+
+def check_combination(cfg: ActivationCheckpointingConfig) -> None:
+    """The rules that tie fields together; shared by YAML and Python (:func:`merge_requests`)."""
     off = Placement.none
     if not cfg.enabled:
         ignored = []
@@ -328,11 +400,7 @@ def _check_combination(cfg: ActivationCheckpointingConfig) -> None:
                 "Set enabled: true to recompute decoder layers, or remove "
                 f"{', '.join(i.split(':')[0] for i in ignored)}."
             )
-    if cfg.offload.hidden_states != off and cfg.offload.all != off:
-        raise ConfigError(
-            "activation_checkpointing.offload: hidden_states: cpu cannot be combined with all: cpu, which "
-            "already offloads each layer's input. Keep one of them."
-        )
+    check_offload_targets(cfg.offload, "activation_checkpointing.offload")
     if cfg.offload.selective != off and cfg.selective is None:
         raise ConfigError(
             "activation_checkpointing.offload.selective: cpu needs selective checkpointing, which decides what "
@@ -352,8 +420,8 @@ def _check_combination(cfg: ActivationCheckpointingConfig) -> None:
         )
     if cfg.implementation == "fsdp" and cfg.reentrant:
         raise ConfigError(
-            "activation_checkpointing.reentrant: implementation: fsdp uses FSDP2's checkpoint wrapper, which is "
-            "non-reentrant, but reentrant is true. Set reentrant: false, or use implementation: hf."
+            "activation_checkpointing.reentrant: implementation: fsdp runs torch's non-reentrant checkpoint around "
+            "each layer, but reentrant is true. Set reentrant: false, or use implementation: hf."
         )
 
 
@@ -371,7 +439,16 @@ def parse_config(value: Any) -> ActivationCheckpointingConfig:
     Raises:
         ConfigError: If any field or combination of fields is invalid. The message names the field, the
             value and the fix.
+
+    A config that ``parse_config`` returned passes through as it is (it is not validated again).
     """
+    if getattr(value, _VALIDATED, False):
+        return value
+    return _validated(_parse_block(value))
+
+
+def _parse_block(value: Any) -> ActivationCheckpointingConfig:
+    """Validate a block that has not been validated yet (the work :func:`parse_config` does once per block)."""
     value = _plain(value)
     if value is None or value is False:
         return ActivationCheckpointingConfig(enabled=False)
@@ -387,17 +464,18 @@ def parse_config(value: Any) -> ActivationCheckpointingConfig:
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(
             f"activation_checkpointing.implementation: expected one of {', '.join(IMPLEMENTATIONS)}, "
-            f"got {implementation!r}. Use hf (transformers' checkpointing) or fsdp (FSDP2's checkpoint wrapper)."
+            f"got {implementation!r}. Use hf (transformers' checkpointing) or fsdp (torch's checkpoint around each "
+            "layer, under an FSDP strategy)."
         )
     cfg = ActivationCheckpointingConfig(
-        enabled=bool(_parse_bool(value.get("enabled", True), "activation_checkpointing.enabled")),
+        enabled=bool(parse_bool(value.get("enabled", True), "activation_checkpointing.enabled")),
         implementation=implementation,
-        reentrant=_parse_bool(value.get("reentrant"), "activation_checkpointing.reentrant", allow_none=True),
+        reentrant=parse_bool(value.get("reentrant"), "activation_checkpointing.reentrant", allow_none=True),
         kwargs=_parse_kwargs(value.get("kwargs")),
         selective=_parse_selective(value.get("selective")),
         offload=_parse_offload(value.get("offload")),
     )
-    _check_combination(cfg)
+    check_combination(cfg)
     return cfg
 
 
@@ -406,3 +484,140 @@ def config_to_dict(cfg: ActivationCheckpointingConfig) -> Dict[str, Any]:
     data = dataclasses.asdict(cfg)
     data["offload"] = {k: str(v) for k, v in data["offload"].items()}
     return data
+
+
+# -- the callbacks' requests ----------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointingRequest:
+    """What :class:`~lightning_ac.ActivationCheckpointing` asks for.
+
+    Attributes:
+        config: The recompute part of the block (``offload`` left at none: offloading is another request).
+        layers: Layer classes or module-name globs, ``None`` to find transformers layers.
+    """
+
+    config: ActivationCheckpointingConfig
+    layers: Optional[List[LayerSpec]] = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        implementation: Any = "hf",
+        reentrant: Any = None,
+        kwargs: Any = None,
+        selective: Any = None,
+        layers: Any = None,
+    ) -> CheckpointingRequest:
+        """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
+        layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
+        if kwargs is not None and not isinstance(_plain(kwargs), Mapping):
+            raise _expected(
+                "ActivationCheckpointing(kwargs=...)", "a mapping of torch.utils.checkpoint arguments", kwargs
+            )
+        block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
+        return cls(parse_config(block), layers)
+
+    @classmethod
+    def from_config(cls, config: ActivationCheckpointingConfig) -> CheckpointingRequest:
+        """The recompute part of a block that :func:`parse_config` returned (not validated again)."""
+        return cls(_validated(dataclasses.replace(config, offload=OffloadConfig())))
+
+
+@dataclass
+class ActivationOffloadRequest:
+    """What :class:`~lightning_ac.ActivationOffload` asks for; validated when built.
+
+    Attributes:
+        offload: Where each target's tensors go.
+        copy_on_host: On a CPU device, still run the copies (tests, debugging).
+        min_offload_bytes: ``all`` leaves smaller tensors on the device.
+        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
+        host_reserve_bytes: Host memory left free.
+    """
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    copy_on_host: bool = False
+    min_offload_bytes: int = 2**16
+    max_pinned_bytes: int = 8 * 2**30
+    host_reserve_bytes: int = 2 * 2**30
+
+    def __post_init__(self) -> None:
+        where = "ActivationOffload"
+        self.offload = OffloadConfig(
+            **{t: parse_placement(getattr(self.offload, t), f"{where}({t}=...)") for t in OFFLOAD_TARGETS}
+        )
+        check_offload_targets(self.offload, where)
+        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
+        for name in ("min_offload_bytes", "max_pinned_bytes", "host_reserve_bytes"):
+            parse_count(getattr(self, name), f"{where}({name}=...)")
+
+
+@dataclass
+class LayerOffloadRequest:
+    """What :class:`~lightning_ac.LayerOffload` asks for; validated when built.
+
+    Attributes:
+        layers: Layer classes or module-name globs, ``None`` to find transformers layers.
+        copy_on_host: On a CPU device, run the copies anyway (tests, debugging).
+        host_reserve_bytes: Host memory left free.
+    """
+
+    layers: Optional[List[LayerSpec]] = None
+    copy_on_host: bool = False
+    host_reserve_bytes: int = 2 * 2**30
+
+    def __post_init__(self) -> None:
+        where = "LayerOffload"
+        self.layers = parse_layers(self.layers, f"{where}(layers=...)")
+        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
+        parse_count(self.host_reserve_bytes, f"{where}(host_reserve_bytes=...)")
+
+
+def merge_requests(
+    checkpointing: Optional[CheckpointingRequest],
+    activation_offload: Optional[ActivationOffloadRequest],
+    layer_offload: Optional[LayerOffloadRequest] = None,
+) -> ActivationCheckpointingConfig:
+    """The block that the requests of one Trainer add up to, checked with the block's own rules.
+
+    Raises:
+        ConfigError: If the requests do not combine (an offload target that needs checkpointing without it,
+            ``offload.selective`` without ``selective``...).
+    """
+    offload = activation_offload.offload if activation_offload is not None else OffloadConfig()
+    if checkpointing is None:
+        needs = offload.needs_checkpointing
+        if needs:
+            arguments = ", ".join(f"{t}='cpu'" for t in needs)
+            raise ConfigError(
+                f"ActivationOffload({arguments}) acts on checkpointed decoder layers, but the Trainer has no "
+                "ActivationCheckpointing. Add ActivationCheckpointing() to the callbacks, or use "
+                "ActivationOffload(all='cpu') to offload without recompute."
+            )
+        base = ActivationCheckpointingConfig(enabled=False)
+    else:
+        base = checkpointing.config
+    cfg = dataclasses.replace(base, offload=offload)
+    check_combination(cfg)
+    return _validated(cfg)
+
+
+def decoder_layer_spec(
+    checkpointing: Optional[CheckpointingRequest], layer_offload: Optional[LayerOffloadRequest]
+) -> Optional[List[LayerSpec]]:
+    """``layers=`` as given to ActivationCheckpointing, else to LayerOffload (they must agree)."""
+    given = [r.layers for r in (checkpointing, layer_offload) if r is not None and r.layers is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(
+            f"ActivationCheckpointing(layers={given[0]!r}) and LayerOffload(layers={given[1]!r}) name different "
+            "decoder layers. Pass layers= to one of them, or the same value to both."
+        )
+    return given[0] if given else None
+
+
+def _validated(cfg: ActivationCheckpointingConfig) -> ActivationCheckpointingConfig:
+    setattr(cfg, _VALIDATED, True)
+    return cfg

@@ -1,4 +1,4 @@
-"""Finding the decoder layers a plan acts on.
+"""Finding the decoder layers a plan acts on, their output heads, and whether they are compiled.
 
 Hugging Face models (plain or wrapped by PEFT) are found automatically: their decoder layers are the
 ``GradientCheckpointingLayer`` instances inside the outermost ``PreTrainedModel``\\ s. Plain torch models name
@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["DecoderLayers", "LayerSpec", "find_decoder_layers"]
+__all__ = ["DecoderLayers", "LayerSpec", "compiled_layers", "find_decoder_layers"]
 
 LayerSpec = Union[str, Type[nn.Module]]
 
@@ -36,6 +36,26 @@ class DecoderLayers:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def modules(self) -> List[nn.Module]:
+        """The layer modules, in execution order."""
+        return [m for _, m in self.layers]
+
+    def output_heads(self) -> List[nn.Module]:
+        """The output heads (``lm_head``) of the transformers models that own the layers."""
+        heads = [m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None for m in self.hf_models]
+        return [h for h in heads if h is not None]
+
+
+def compiled_layers(layers: Sequence[nn.Module]) -> List[int]:
+    """Indices of layers compiled with ``torch.compile`` (as a module, or via ``module.compile()``)."""
+    found = []
+    for index, layer in enumerate(layers):
+        compiled_module = type(layer).__name__ == "OptimizedModule" or hasattr(layer, "_orig_mod")
+        if compiled_module or getattr(layer, "_compiled_call_impl", None) is not None:
+            found.append(index)
+    return found
 
 
 def _hf_classes():

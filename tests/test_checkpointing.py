@@ -309,7 +309,7 @@ def test_fsdp_implementation_needs_an_fsdp_strategy(llama):
 
 def _wrap_with_torch_checkpoint(model, selective=False):
     """The wrapper behind ``implementation: fsdp`` (and plain torch layers), applied directly."""
-    from lightning_ac.checkpoint.torch_layers import wrap_layers
+    from lightning_ac.checkpoint.forward import wrap_layers
     from lightning_ac.config import parse_config
     from lightning_ac.layers import find_decoder_layers
     from lightning_ac.selective.apply import build_policy
@@ -370,7 +370,7 @@ def test_layer_wrapper_refuses_a_cache_that_holds_tokens():
 
 
 def test_layer_wrapper_keeps_cache_named_inputs_of_plain_torch_layers():
-    from lightning_ac.checkpoint.torch_layers import wrap_layers
+    from lightning_ac.checkpoint.forward import wrap_layers
     from lightning_ac.config import parse_config
 
     class Block(nn.Module):

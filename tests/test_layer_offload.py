@@ -6,6 +6,8 @@ the whole path but the streams; the CUDA path has gpu-marked tests in test_gpu.p
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -13,7 +15,14 @@ from conftest import LM, assert_same_training, batches, clone, fit, make_trainer
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, callbacks_from_config
+from lightning_ac import (
+    ActivationCheckpointing,
+    ActivationOffload,
+    ConfigError,
+    LayerOffload,
+    LightningACWarning,
+    callbacks_from_config,
+)
 
 LAYERS = 4
 
@@ -87,7 +96,7 @@ class DeviceCopySpy(pl.Callback):
         self.alive_before_backward: list = []
 
     def on_train_start(self, trainer, pl_module):
-        streamer = self.callback.plan.layer_streamer
+        streamer = self.callback.plan.weight_streamer
         original = streamer._load
 
         def load(layer):
@@ -126,10 +135,10 @@ class BetweenSteps(pl.Callback):
         self.checks: list = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_ac.offload.layer_params import _holds
+        from lightning_ac.offload.weights import _holds
 
         state = pl_module.state_dict()
-        streamer = self.callback.plan.layer_streamer
+        streamer = self.callback.plan.weight_streamer
         self.checks.append(
             {
                 "keys": sorted(state),
@@ -275,7 +284,7 @@ def test_plain_torch_layers_and_checkpoints_around_their_calls(checkpoint):
 
 
 def test_saved_tensors_without_plain_storage_pass_through():
-    from lightning_ac.offload.layer_params import LayerParamStreamer, frozen_layer_parameters
+    from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 
     class SparseBlock(Block):
         def forward(self, x):
@@ -293,7 +302,7 @@ def test_saved_tensors_without_plain_storage_pass_through():
         return torch.autograd.grad(h.pow(2).sum(), [x])[0]
 
     reference = grad()
-    streamer = LayerParamStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
+    streamer = LayerWeightStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
     streamer.install()
     try:
         assert torch.equal(grad(), reference)
@@ -302,11 +311,11 @@ def test_saved_tensors_without_plain_storage_pass_through():
 
 
 def test_a_backward_that_raises_leaves_nothing_loaded_for_the_next_step():
-    from lightning_ac.offload.layer_params import LayerParamStreamer, frozen_layer_parameters
+    from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 
     torch.manual_seed(0)
     blocks = [Block() for _ in range(4)]
-    streamer = LayerParamStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
+    streamer = LayerWeightStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
     streamer.install()
 
     def backward(fail: bool) -> None:
@@ -346,20 +355,23 @@ def test_a_parameter_unfrozen_during_training_leaves_the_stream(lora_llama):
     assert callback.last_step["bytes"] == 2 * (frozen_layer_bytes(lora_llama) - weight.numel() * 4)
 
 
-def test_mixed_precision_without_recompute_warns(lora_llama, caplog):
-    fit(clone(lora_llama), [layer_offload()], precision="bf16-mixed")
-    warned = [r for r in caplog.records if "autocast makes a half-precision copy" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelname == "WARNING"
-    caplog.clear()
-    fit(clone(lora_llama), [ActivationCheckpointing(), layer_offload()], precision="bf16-mixed")
-    assert not any("autocast makes a half-precision copy" in r.getMessage() for r in caplog.records)
+def test_mixed_precision_without_recompute_warns(lora_llama):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(clone(lora_llama), [layer_offload()], precision="bf16-mixed")
+    warned = [w for w in caught if "autocast makes a half-precision copy" in str(w.message)]
+    assert len(warned) == 1 and issubclass(warned[0].category, LightningACWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(clone(lora_llama), [ActivationCheckpointing(), layer_offload()], precision="bf16-mixed")
+    assert not any("autocast makes a half-precision copy" in str(w.message) for w in caught)
 
 
 class QuantizedLike(nn.Parameter):
     """Stands in for a quantized weight class (bitsandbytes' Params4bit): a Parameter subclass."""
 
 
-def test_frozen_weights_it_cannot_move_are_named(lora_llama, caplog):
+def test_frozen_weights_it_cannot_move_are_named(lora_llama):
     model = clone(lora_llama)
     for layer in model.base_model.model.model.layers:
         for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.self_attn.q_proj):
@@ -367,9 +379,11 @@ def test_frozen_weights_it_cannot_move_are_named(lora_llama, caplog):
             proj.base_layer.weight = QuantizedLike(weight.detach(), requires_grad=False)
     callback = layer_offload()
     reference = fit(clone(model), max_steps=2)
-    run = fit(model, [callback], max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = fit(model, [callback], max_steps=2)
     assert_same_training(reference, run)
-    warned = [r.getMessage() for r in caplog.records if "stay on the device" in r.getMessage()]
+    warned = [str(w.message) for w in caught if "stay on the device" in str(w.message)]
     assert len(warned) == 1 and "Params4bit" in warned[0]
     assert callback.host_bytes < frozen_layer_bytes(lora_llama) / 2
 

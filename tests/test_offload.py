@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
 from lightning_ac.offload import HostMemoryError, TransferEngine
-from lightning_ac.offload.targets import SavedTensorOffloader
+from lightning_ac.offload.activations import SavedTensorOffloader
 
 HIDDEN = 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32
@@ -98,7 +98,7 @@ def test_output_head_stays_on_device(llama_reference):
 
     class Probe(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            offloader = callback.plan.offload.all
+            offloader = callback.plan.activation_offload.all
             head = pl_module.model.lm_head
             head.register_forward_pre_hook(lambda *a: seen.append(offloader.paused))
 
@@ -367,12 +367,13 @@ def test_engine_skips_empty_conj_and_subclass_tensors(engine):
 
 
 def test_parameter_skips_follow_the_module_to_its_storage():
-    from lightning_ac.config import OffloadConfig
-    from lightning_ac.offload import OffloadRuntime
+    from lightning_ac.config import ActivationOffloadRequest, OffloadConfig
+    from lightning_ac.offload import ActivationOffloadRuntime
 
     linear = torch.nn.Linear(4, 4)
-    runtime = OffloadRuntime(OffloadConfig(all="cpu"), torch.device("cpu"), copy_on_host=True)
-    runtime.skip_module_tensors(linear)
+    request = ActivationOffloadRequest(OffloadConfig(all="cpu"), copy_on_host=True)
+    runtime = ActivationOffloadRuntime(request, torch.device("cpu"))
+    runtime.install(linear)
     linear.weight.data = linear.weight.data.clone()  # as a strategy moving the module to its device does
     runtime.start_step()
     assert runtime.engine.should_skip(linear.weight.detach().t())

@@ -48,14 +48,13 @@ def test_plain_text_table_without_rich():
 
 def test_table_shows_layer_offloading():
     from lightning_ac import LayerOffload
-    from lightning_ac.report import layer_rows
 
     callback = LayerOffload(copy_on_host=True)
     seen = {}
 
     class Grab(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
-            seen["rows"] = layer_rows(callback.plan)
+            seen["rows"] = callback.plan.layer_rows()
 
     fit(tiny_model("llama", lora=True), [ActivationCheckpointing(), callback, Grab()])
     rows = seen["rows"]

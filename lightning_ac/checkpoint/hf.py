@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_ac.config import ActivationCheckpointingConfig, ConfigError
 
@@ -24,6 +26,7 @@ def enable_hf_checkpointing(
     layers: List[nn.Module],
     config: ActivationCheckpointingConfig,
     context_fn: Optional[Callable[[], Any]] = None,
+    checkpoint_fn: Callable[..., Any] = checkpoint,
 ) -> List[bool]:
     """Turn on transformers' checkpointing on each model.
 
@@ -32,6 +35,8 @@ def enable_hf_checkpointing(
         layers: Their decoder layers, in order, to report which ones checkpoint.
         config: The validated block (kwargs, reentrant, every_n_layers).
         context_fn: A ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant only), e.g. a SAC policy.
+        checkpoint_fn: The checkpoint function the checkpointed layers call: ``torch.utils.checkpoint.checkpoint``
+            or a wrapper of it (hidden-state offload passes one that offloads each layer's inputs).
 
     Returns:
         For each layer, whether it is checkpointed.
@@ -49,4 +54,10 @@ def enable_hf_checkpointing(
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs=kwargs, every_n_layers=config.every_n_layers
         )
-    return [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
+    checkpointed = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
+    if checkpoint_fn is not checkpoint:
+        # transformers installs functools.partial(checkpoint, **kwargs) on each layer; the same with ours
+        for layer, on in zip(layers, checkpointed):
+            if on:
+                layer._gradient_checkpointing_func = functools.partial(checkpoint_fn, **kwargs)
+    return checkpointed

@@ -1,15 +1,17 @@
-"""Activation offloading: a device-agnostic transfer engine and the three offload targets."""
+"""Moving tensors between the device and host memory: activation offloading and layer (weight) offloading."""
 
+from lightning_ac.offload.activations import ActivationOffloadRuntime
+from lightning_ac.offload.device import DeviceStreams, HostMemoryError, available_host_bytes
 from lightning_ac.offload.engine import OffloadStats, Packed, TransferEngine
-from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
-from lightning_ac.offload.runtime import TARGETS, OffloadRuntime
+from lightning_ac.offload.weights import LayerWeightStreamer
 
 __all__ = [
+    "ActivationOffloadRuntime",
+    "DeviceStreams",
     "HostMemoryError",
-    "OffloadRuntime",
+    "LayerWeightStreamer",
     "OffloadStats",
     "Packed",
-    "TARGETS",
     "TransferEngine",
     "available_host_bytes",
 ]

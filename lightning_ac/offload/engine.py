@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
+from lightning_ac.offload.device import DeviceStreams, check_host_budget, host_limit, is_asynchronous
 
 __all__ = ["OffloadStats", "Packed", "TransferEngine"]
 
@@ -86,26 +86,6 @@ def _byte_extent(tensor: torch.Tensor) -> Tuple[int, int]:
     return start, start + (last + 1) * size
 
 
-class _Streams:
-    """Side streams and events on an accelerator (device-agnostic through ``torch.get_device_module``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.module = torch.get_device_module(device.type)
-        self.device = device
-        self.d2h = self.module.Stream(device=device)
-        self.h2d = self.module.Stream(device=device)
-
-    def current(self) -> Any:
-        return self.module.current_stream(self.device)
-
-    def stream(self, stream: Any) -> Any:
-        return self.module.stream(stream)
-
-    def synchronize(self) -> None:
-        self.d2h.synchronize()
-        self.h2d.synchronize()
-
-
 class TransferEngine:
     """Moves saved activations between a device and host memory.
 
@@ -130,8 +110,7 @@ class TransferEngine:
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
-        # Devices whose module has no streams (MPS) copy synchronously.
-        self.asynchronous = self.on_accelerator and hasattr(torch.get_device_module(self.device.type), "Stream")
+        self.asynchronous = is_asynchronous(self.device)
         self.enabled = self.on_accelerator or copy_on_host
         self.max_pinned_bytes = max_pinned_bytes
         self.stash_size = stash_size
@@ -141,7 +120,7 @@ class TransferEngine:
         self.last_step: Dict[str, Dict[str, int]] = {}
         # storage address -> weak reference: a storage freed since (a parameter moved) no longer matches
         self.skip_storages: Dict[int, StorageWeakRef] = {}
-        self._streams: Optional[_Streams] = None
+        self._streams: Optional[DeviceStreams] = None
         self._copies: Dict[int, List[_HostCopy]] = {}  # storage data_ptr -> host copies, this step
         self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
         # (copy finished event, device bytes, the saved tensor, its version then, the copy)
@@ -158,8 +137,7 @@ class TransferEngine:
         self.stats = collections.defaultdict(OffloadStats)
         self._bytes_this_step = 0
         if self._host_limit is None:
-            available = available_host_bytes()
-            self._host_limit = None if available is None else max(0, available - self.host_reserve_bytes)
+            self._host_limit = host_limit(self.host_reserve_bytes)
 
     def finish_step(self) -> None:
         """Wait for every copy in flight and record ``last_step``.
@@ -256,13 +234,14 @@ class TransferEngine:
 
     def _check_host_memory(self, nbytes: int) -> None:
         self._bytes_this_step += nbytes
-        if self._host_limit is not None and self._bytes_this_step > self._host_limit:
-            raise HostMemoryError(
-                f"activation offloading needs more than {self._bytes_this_step / 2**30:.1f} GiB of host memory this "
-                f"step, but only {self._host_limit / 2**30:.1f} GiB are available (MemAvailable minus a "
-                f"{self.host_reserve_bytes / 2**30:.1f} GiB reserve). Offload less (offload.hidden_states instead of "
-                "offload.all), lower the batch size or sequence length, or add host memory."
-            )
+        check_host_budget(
+            "activation offloading (this step)",
+            self._bytes_this_step,
+            self._host_limit,
+            self.host_reserve_bytes,
+            "Offload less (offload.hidden_states instead of offload.all), lower the batch size or sequence length, "
+            "or add host memory.",
+        )
 
     def _copy_to_host(self, tensor: torch.Tensor, storage: Any, start: int, nbytes: int, target: str) -> _HostCopy:
         self._check_host_memory(nbytes)
@@ -305,9 +284,9 @@ class TransferEngine:
             entry[0].synchronize()  # the host waits, never the compute stream
             self._retire(entry)
 
-    def _ensure_streams(self) -> _Streams:
+    def _ensure_streams(self) -> DeviceStreams:
         if self._streams is None:
-            self._streams = _Streams(self.device)
+            self._streams = DeviceStreams(self.device)
         return self._streams
 
     def _reload(self, copy: _HostCopy) -> torch.Tensor:

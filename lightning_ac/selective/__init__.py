@@ -1,6 +1,6 @@
 """Selective activation checkpointing: policy, save rules, plugin registry and diagnostics."""
 
-from lightning_ac.selective.apply import apply_selective_checkpointing, compiled_layers
+from lightning_ac.selective.apply import apply_selective_checkpointing
 from lightning_ac.selective.policy import SelectiveCheckpointingWarning, SelectivePolicy
 from lightning_ac.selective.registry import RegisteredSave, register_mandatory_save, register_preferred_save
 
@@ -9,7 +9,6 @@ __all__ = [
     "SelectiveCheckpointingWarning",
     "SelectivePolicy",
     "apply_selective_checkpointing",
-    "compiled_layers",
     "register_mandatory_save",
     "register_preferred_save",
 ]

@@ -8,20 +8,10 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
-from lightning_ac.layers import DecoderLayers, find_decoder_layers
+from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
 
-__all__ = ["apply_selective_checkpointing", "build_policy", "compiled_layers"]
-
-
-def compiled_layers(layers: Sequence[nn.Module]) -> List[int]:
-    """Indices of layers compiled with ``torch.compile`` (as a module, or via ``module.compile()``)."""
-    found = []
-    for index, layer in enumerate(layers):
-        compiled_module = type(layer).__name__ == "OptimizedModule" or hasattr(layer, "_orig_mod")
-        if compiled_module or getattr(layer, "_compiled_call_impl", None) is not None:
-            found.append(index)
-    return found
+__all__ = ["apply_selective_checkpointing", "build_policy"]
 
 
 def _module_names(root: nn.Module, layers: DecoderLayers) -> Dict[nn.Module, str]:

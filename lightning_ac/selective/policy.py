@@ -22,7 +22,6 @@ import contextlib
 import fnmatch
 import functools
 import logging
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_ac._logging import LightningACWarning, log, rank_zero_warn
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
 from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
@@ -40,12 +40,10 @@ from lightning_ac.selective.registry import RegisteredSave, registered_saves
 
 __all__ = ["SelectiveCheckpointingWarning", "SelectivePolicy", "StorageFactory"]
 
-log = logging.getLogger("lightning_ac")
-
 StorageFactory = Callable[[Callable[..., CheckpointPolicy]], Tuple[Any, Any]]
 
 
-class SelectiveCheckpointingWarning(UserWarning):
+class SelectiveCheckpointingWarning(LightningACWarning):
     """A selective-checkpointing rule that saves nothing useful (never matched, never fired, never replayed)."""
 
 
@@ -283,10 +281,9 @@ class SelectivePolicy:
                 entry != "attention" and entry in name and "backward" not in name
             ):
                 rule.matched_ops += 1
-                if (
-                    attention
-                    and not cfg.save_sliding_window
-                    and (region.layer_type in cfg.recompute_layer_types or sliding_window_of(func, args, kwargs))
+                if attention and (
+                    self.recomputes_attention(region.layer_type)
+                    or (not cfg.save_sliding_window and sliding_window_of(func, args, kwargs))
                 ):
                     return None  # sliding-window attention: cheap to recompute, not worth the memory
                 return rule
@@ -305,6 +302,40 @@ class SelectivePolicy:
                     self.threshold_rule.matched_ops += 1
                     return self.threshold_rule
         return None
+
+    def recomputes_attention(self, layer_type: Optional[str]) -> bool:
+        """Whether ``save: [attention]`` gives way to recompute in layers of this type (sliding windows)."""
+        return not self.config.save_sliding_window and layer_type in self.config.recompute_layer_types
+
+    def set_checkpointed(self, checkpointed: Sequence[bool]) -> None:
+        """Tell the policy which layers the recompute engine checkpoints: the diagnostics run once each of them
+        has been recomputed (one full backward)."""
+        self.diagnose_after = max(1, sum(bool(c) for c in checkpointed))
+
+    def describe_layer(self, index: int, recomputed: bool) -> Optional[str]:
+        """What the policy saves in decoder layer ``index`` (for the per-layer report); ``None`` if not
+        recomputed."""
+        if not recomputed:
+            return None
+        cfg = self.config
+        layer_type = self.layer_types[index] if index < len(self.layer_types) else None
+        parts = []
+        for entry in cfg.save:
+            if entry == "attention" and self.recomputes_attention(layer_type):
+                parts.append(f"attention recomputed ({layer_type})")
+            else:
+                parts.append(entry)
+        inside = {id(m) for m in self.layers[index].modules()}
+        for entry, modules in self.matched_modules.items():
+            count = sum(id(m) in inside for m in modules)
+            if count:
+                parts.append(f"{entry} ({count} module{'s' if count > 1 else ''})")
+        if cfg.save_matmul_min_k:
+            parts.append(f"matmuls K >= {cfg.save_matmul_min_k}")
+        saved = self.saved_ops_per_layer.get(index)
+        if saved is not None:
+            parts.append(f"last step: {sum(saved.values())} outputs")
+        return ", ".join(parts) or "registered ops only"
 
     def context_fn(self) -> Tuple[Any, Any]:
         """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
@@ -398,7 +429,7 @@ class SelectivePolicy:
             self._warn(problem)
         if log.isEnabledFor(logging.DEBUG):
             for layer, saved in sorted(self.saved_ops_per_layer.items()):
-                log.debug("lightning_ac: layer %d saves %s", layer, dict(saved) or "nothing")
+                log.debug("layer %d saves %s", layer, dict(saved) or "nothing")
 
     def report(self) -> Dict[int, Dict[str, int]]:
         """Per decoder layer, how many outputs of each op its most recent forward saved."""
@@ -406,4 +437,4 @@ class SelectivePolicy:
 
     @staticmethod
     def _warn(message: str) -> None:
-        warnings.warn(message, SelectiveCheckpointingWarning, stacklevel=2)
+        rank_zero_warn(message, SelectiveCheckpointingWarning)

@@ -1,4 +1,5 @@
-"""The three offload targets, built on one :class:`~lightning_ac.offload.engine.TransferEngine`.
+"""Activation offloading: the three targets, built on one :class:`~lightning_ac.offload.engine.TransferEngine`,
+and :class:`ActivationOffloadRuntime`, which installs them on a model and drives them step by step.
 
 - ``hidden_states``: an outer saved-tensor hook around each checkpointed layer's checkpoint call. Both
   non-reentrant and reentrant checkpoint save exactly the layer's inputs under it (their inner saves go to
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac._reenterable import Reenterable
+from lightning_ac.config import OFFLOAD_TARGETS, ActivationOffloadRequest
 from lightning_ac.offload.engine import Packed, TransferEngine
 
-__all__ = ["SavedTensorOffloader", "offloading_checkpoint", "offloading_sac_storage"]
+__all__ = ["ActivationOffloadRuntime", "SavedTensorOffloader", "offloading_checkpoint", "offloading_sac_storage"]
 
 
 class SavedTensorOffloader:
@@ -62,14 +65,6 @@ class SavedTensorOffloader:
         if self._active is not None:
             active, self._active = self._active, None
             active.__exit__(None, None, None)
-
-    @contextlib.contextmanager
-    def paused_for(self) -> Iterator[None]:
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
 
     def pause_in(self, module: nn.Module) -> List[Any]:
         """Keep ``module``'s saves (the output head) on the device; returns the hook handles."""
@@ -201,3 +196,115 @@ def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., An
 
     factory.reset = regions.clear  # type: ignore[attr-defined]
     return factory
+
+
+class ActivationOffloadRuntime:
+    """The engine and the targets of one run: what the plan installs for activation offloading.
+
+    Args:
+        request: Which targets move to the host, and the engine's limits.
+        device: The training device.
+    """
+
+    def __init__(self, request: ActivationOffloadRequest, device: torch.device) -> None:
+        offload = request.offload
+        self.engine = TransferEngine(
+            device,
+            copy_on_host=request.copy_on_host,
+            max_pinned_bytes=request.max_pinned_bytes,
+            host_reserve_bytes=request.host_reserve_bytes,
+        )
+        self.targets = offload.targets
+        self.hidden_states = (
+            SavedTensorOffloader(self.engine, "hidden_states") if "hidden_states" in self.targets else None
+        )
+        self.all = (
+            SavedTensorOffloader(self.engine, "all", min_bytes=request.min_offload_bytes)
+            if "all" in self.targets
+            else None
+        )
+        self.sac_storage: Optional[Callable[..., Any]] = (
+            offloading_sac_storage(self.engine) if "selective" in self.targets else None
+        )
+        self.in_step = False
+        self._handles: List[Any] = []
+        self._module: Optional[nn.Module] = None
+
+    def install(self, module: nn.Module, output_heads: Sequence[nn.Module] = ()) -> None:
+        """Act on ``module``: its parameters and buffers never move, nor do the activations saved inside
+        ``output_heads`` (the logits a loss reads right away; moving them costs more than it saves)."""
+        self._module = module
+        self._refresh_skips()
+        if self.all is not None:
+            for head in output_heads:
+                self._handles.extend(self.all.pause_in(head))
+
+    def wrap_checkpoint(self, checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The checkpoint function a recompute engine should use: ``checkpoint_fn``, offloading each
+        checkpointed layer's inputs when ``hidden_states`` is on."""
+        return offloading_checkpoint(checkpoint_fn, self.hidden_states) if self.hidden_states else checkpoint_fn
+
+    def describe(self) -> str:
+        """Which targets move to the host, as the log line says it."""
+        device = self.engine.device
+        where = "copies on host" if device.type == "cpu" else str(device)
+        return f"offloading {', '.join(self.targets)} to host memory ({where})"
+
+    def describe_layer(self, recomputed: bool, selective: bool) -> List[str]:
+        """What moves for one decoder layer (for the per-layer report).
+
+        Args:
+            recomputed: Whether the layer is checkpointed.
+            selective: Whether a selective policy decides what that layer saves.
+        """
+        parts = []
+        if self.hidden_states is not None and recomputed:
+            parts.append("input → cpu")
+        if self.all is not None:  # with recompute, what a checkpointed layer saves outside its region is its input
+            parts.append("input → cpu" if recomputed else "saved activations → cpu")
+        if self.sac_storage is not None and recomputed and selective:
+            parts.append("SAC saves → cpu")
+        return parts
+
+    def _refresh_skips(self) -> None:
+        """Parameters and buffers (and views of them, like a transposed weight) never move. Read again at each
+        step: the strategy moves the module to its device after ``setup``, and sharding changes storages."""
+        if self._module is None:
+            return
+        skips = {}
+        for tensor in [*self._module.parameters(), *self._module.buffers()]:
+            local = tensor.to_local() if type(tensor).__name__ == "DTensor" else tensor
+            storage = local.untyped_storage()
+            skips[storage.data_ptr()] = StorageWeakRef(storage)
+        self.engine.skip_storages = skips
+
+    def start_step(self) -> None:
+        """Enter a training step: ``all``'s hooks are in force until :meth:`finish_step`."""
+        self._refresh_skips()
+        self.engine.start_step()
+        if self.sac_storage is not None:
+            self.sac_storage.reset()  # type: ignore[attr-defined]
+        if self.all is not None:
+            self.all.push()
+        self.in_step = True
+
+    def finish_step(self) -> None:
+        """Leave the training step: nothing in flight, ``last_step`` recorded."""
+        if not self.in_step:
+            return
+        self.in_step = False
+        if self.all is not None:
+            self.all.pop()
+        self.engine.finish_step()
+
+    def close(self) -> None:
+        """Leave nothing pushed, in flight or hooked (after an exception too)."""
+        self.finish_step()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def last_step(self) -> Dict[str, Dict[str, int]]:
+        """``{target: {"tensors": n, "bytes": n}}`` for the most recent training step, every target listed."""
+        return {t: dict(self.engine.last_step.get(t, {"tensors": 0, "bytes": 0})) for t in OFFLOAD_TARGETS}

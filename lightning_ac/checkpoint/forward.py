@@ -1,4 +1,6 @@
-"""Checkpointing for plain torch layers: the equivalent of transformers' wrapper, installed per instance.
+"""torch's checkpoint around each layer's ``forward``: for plain torch layers (the equivalent of transformers'
+wrapper, installed per instance) and for ``implementation: fsdp`` (outside transformers, so FSDP's hooks stay
+outside the recompute).
 
 The wrapper replaces the layer instance's ``forward`` (not ``__call__``), as transformers does, so module
 hooks stay outside the checkpoint and do not run twice. Nothing is re-parented, so ``state_dict`` keys do
@@ -9,13 +11,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ac._logging import rank_zero_warn
 from lightning_ac.config import ActivationCheckpointingConfig
 
 __all__ = ["wrap_layers", "TORCH_ATTRIBUTES"]
@@ -32,7 +34,6 @@ _CACHE_FLAGS = ("use_cache",)
 # Plain torch layers keep their arguments: there these names may be real inputs.
 _CACHE_OBJECTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
-log = logging.getLogger("lightning_ac")
 _warned_classes: Set[str] = set()
 
 
@@ -77,11 +78,9 @@ def _without_cache(layer: nn.Module, positions: Dict[str, int], args: tuple, kwa
             args[i] = None
     if found and type(layer).__name__ not in _warned_classes:
         _warned_classes.add(type(layer).__name__)  # once per layer class, like transformers' warning_once
-        log.warning(
-            "lightning_ac: %s runs checkpointed calls without its KV cache (%s): the recompute would write it a "
-            "second time.",
-            type(layer).__name__,
-            ", ".join(name for name, _ in found),
+        rank_zero_warn(
+            f"{type(layer).__name__} runs checkpointed calls without its KV cache "
+            f"({', '.join(name for name, _ in found)}): the recompute would write it a second time."
         )
     return tuple(args), kwargs
 

@@ -30,10 +30,9 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from lightning_ac.offload.engine import _Streams
-from lightning_ac.offload.host_memory import HostMemoryError, available_host_bytes
+from lightning_ac.offload.device import DeviceStreams, check_host_budget, host_limit, is_asynchronous
 
-__all__ = ["LayerParamStreamer", "frozen_layer_parameters"]
+__all__ = ["LayerWeightStreamer", "frozen_layer_parameters"]
 
 _ALIGN = 64  # bytes: every parameter's slice of a layer's host buffer starts on a cache line
 
@@ -76,7 +75,7 @@ class _ParamView:
     stride: Tuple[int, ...]
 
 
-class LayerParamStreamer:
+class LayerWeightStreamer:
     """Keeps the frozen parameters of ``layers`` in host memory and streams them to ``device`` per layer.
 
     Args:
@@ -107,9 +106,7 @@ class LayerParamStreamer:
         self.host_reserve_bytes = host_reserve_bytes
         self.modules = list(layers)
         self.layers = [_Layer(i, list(ps)) for i, ps in enumerate(params)]
-        # Devices whose module has no streams (MPS) copy synchronously.
-        asynchronous = self.on_accelerator and hasattr(torch.get_device_module(self.device.type), "Stream")
-        self._streams = _Streams(self.device) if asynchronous else None
+        self._streams = DeviceStreams(self.device) if is_asynchronous(self.device) else None
         self.stats: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
         self.host_bytes = 0
         self._offloaded = False
@@ -124,6 +121,34 @@ class LayerParamStreamer:
     def streamed(self) -> List[nn.Parameter]:
         """Every parameter this streamer moves."""
         return [p for layer in self.layers for p in layer.params]
+
+    def describe(self) -> str:
+        """What moves, as the log line says it."""
+        with_params = [layer for layer in self.layers if layer.params]
+        where = "copies on host" if self.device.type == "cpu" else str(self.device)
+        return (
+            f"layer offloading: frozen parameters of {len(with_params)}/{len(self.layers)} decoder layers "
+            f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time"
+        )
+
+    def describe_layer(self, index: int) -> Optional[str]:
+        """What moves for decoder layer ``index`` (for the per-layer report), ``None`` when nothing does."""
+        if index >= len(self.layers) or not self.layers[index].params:
+            return None
+        frozen = sum(_nbytes(p) for p in self.layers[index].params)
+        return f"frozen params ({frozen / 2**20:.1f} MiB) ↔ cpu"
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the parameters this streamer moves."""
+        return sum(_nbytes(p) for p in self.streamed)
+
+    def kept_frozen_bytes(self) -> int:
+        """Bytes of frozen decoder-layer parameters this streamer does not move (parameter subclasses such as
+        quantized weights, shared parameters)."""
+        streamed = {id(p) for p in self.streamed}
+        kept = {id(p): _nbytes(p) for m in self.modules for p in m.parameters() if not p.requires_grad}
+        return sum(n for i, n in kept.items() if i not in streamed)
 
     # -- install / remove ---------------------------------------------------------------------------------
 
@@ -172,15 +197,13 @@ class LayerParamStreamer:
         """Copy every streamed parameter to the host once, and make the host copy its ``.data``."""
         for layer in self.layers:
             layer.params = [p for p in layer.params if p.device == self.device]
-        needed = sum(_nbytes(p) for p in self.streamed)
-        available = available_host_bytes()
-        if available is not None and needed > available - self.host_reserve_bytes:
-            raise HostMemoryError(
-                f"layer_offloading needs {needed / 2**30:.2f} GiB of host memory for the frozen layer weights, but "
-                f"only {available / 2**30:.2f} GiB is available and {self.host_reserve_bytes / 2**30:.2f} GiB is "
-                "kept free. Free host memory, use fewer data-parallel processes per machine, or set "
-                "layer_offloading: false."
-            )
+        check_host_budget(
+            "layer_offloading",
+            sum(_nbytes(p) for p in self.streamed),
+            host_limit(self.host_reserve_bytes),
+            self.host_reserve_bytes,
+            "Free host memory, use fewer data-parallel processes per machine, or set layer_offloading: false.",
+        )
         for layer in self.layers:
             layer.host = self._host_copies(layer.params)
             for p, host in zip(layer.params, layer.host):
