@@ -1,0 +1,172 @@
+"""The package's shape: no import circle, the block parsed once on every path, strategy checks by type."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import clone, fit, tiny_model
+
+import lightning_ac.config
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, callbacks_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_ac"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set) -> set:
+    """Every lightning_ac module ``path`` imports, anywhere in the file (inside functions and TYPE_CHECKING
+    blocks too: an import deferred to run time still ties the two modules together)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # "from lightning_ac.offload import weights" names a module, "from lightning_ac.config import X" a name
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in modules)
+    return found
+
+
+def _import_graph() -> dict:
+    files = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    return {_module_name(f): _imports(f, modules) - {_module_name(f)} for f in files}
+
+
+def test_no_import_circle():
+    """Read every module's imports and look for a circle. A package's own __init__ importing its modules is
+    not a circle with them (Python runs it first either way), so edges into one's own parent package count
+    only when written."""
+    graph = _import_graph()
+    assert "lightning_ac.plan" in graph and "lightning_ac.callbacks" not in graph["lightning_ac.plan"]
+    state: dict = {}
+
+    def visit(module: str, path: list) -> None:
+        state[module] = "open"
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == "open":
+                cycle = path[path.index(dep) :] + [dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_modules_import_in_dependency_order():
+    """In a fresh interpreter, each module imports after the modules it depends on and before those that
+    depend on it (a circle through a package __init__ would fail here with a partially initialised module)."""
+    graph = _import_graph()
+    order: list = []
+
+    def place(module: str) -> None:
+        if module in order:
+            return
+        for dep in sorted(graph[module]):
+            place(dep)
+        order.append(module)
+
+    for module in sorted(graph):
+        place(module)
+    order = [m for m in order if not m.endswith("__main__")]
+    script = "\n".join(
+        [
+            "import importlib, sys",
+            "for name in sys.argv[1:]:",
+            "    print(name, flush=True)",
+            "    importlib.import_module(name)",
+        ]
+    )
+    result = subprocess.run([sys.executable, "-c", script, *order], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout.splitlines()[-1:]}:\n{result.stderr[-2000:]}"
+    assert result.stdout.split() == order
+
+
+@pytest.fixture
+def parse_count(monkeypatch):
+    calls = []
+    original = lightning_ac.config._parse_block
+
+    def counting(value):
+        calls.append(value)
+        return original(value)
+
+    monkeypatch.setattr(lightning_ac.config, "_parse_block", counting)
+    return calls
+
+
+def test_python_path_parses_once(parse_count):
+    fit(
+        clone(tiny_model("llama")),
+        [ActivationCheckpointing(selective=True), ActivationOffload(hidden_states="cpu", copy_on_host=True)],
+        max_steps=1,
+    )
+    assert len(parse_count) == 1
+
+
+@pytest.mark.parametrize("block", [{"selective": True, "offload": {"hidden_states": "cpu"}}, True])
+def test_dict_path_parses_once(parse_count, block):
+    callbacks = callbacks_from_config(block, copy_on_host=True)
+    fit(clone(tiny_model("llama")), callbacks, max_steps=1)
+    assert len(parse_count) == 1
+
+
+def test_hydra_path_parses_once(tmp_path):
+    """The main job in a subprocess: Hydra composes the block, the job parses it, callbacks_from_config and the
+    plan take it as it is."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "count_parses.py"), f"hydra.run.dir={tmp_path}",
+         "activation_checkpointing=offload_hidden_selective", "offload_copy_on_host=true", "trainer.max_steps=2",
+         "measure.warmup_steps=0", "measure.memory_step=1"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    counted = json.loads((tmp_path / "parse_count.json").read_text())
+    assert counted == {"validations": 1}, counted
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+
+
+def test_strategy_checks_see_subclasses():
+    """A user's subclass of a sharding strategy is still a sharding strategy (the checks used class names)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_ac.config import LayerOffloadRequest
+    from lightning_ac.plan import Plan
+
+    class MyFSDP(FSDPStrategy):
+        pass
+
+    trainer = SimpleNamespace(strategy=MyFSDP())
+    with pytest.raises(ConfigError, match="MyFSDP shards them"):
+        Plan(layer_offload=LayerOffloadRequest(copy_on_host=True)).check_strategy(trainer)
+    plan = Plan(lightning_ac.config.CheckpointingRequest.from_arguments(implementation="fsdp"))
+    plan.check_strategy(trainer)  # implementation: fsdp accepts the subclass
+
+
+def test_requests_use_the_block_error_shape():
+    """One dialect: the field as the user wrote it, what it takes, what it got."""
+    with pytest.raises(
+        ConfigError, match=r"ActivationOffload\(copy_on_host=\.\.\.\): expected true or false, got 'yes'"
+    ):
+        ActivationOffload(copy_on_host="yes")
+    with pytest.raises(ConfigError, match=r"ActivationOffload: hidden_states: cpu cannot be combined with all"):
+        ActivationOffload(hidden_states="cpu", all="cpu")
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.offload: hidden_states: cpu cannot be combined"):
+        callbacks_from_config({"offload": {"hidden_states": "cpu", "all": "cpu"}})
