@@ -41,9 +41,9 @@ from lightning_ac import (  # noqa: E402
     callbacks_from_config,
     migrate_legacy,
 )
+from lightning_ac.bench.memory import StepMetrics  # noqa: E402
 from lightning_ac.config import config_to_dict, parse_config  # noqa: E402
-from lightning_ac.legacy import LEGACY_KEYS  # noqa: E402
-from lightning_ac.memory import StepMetrics  # noqa: E402
+from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 
 log = logging.getLogger("train")
 # peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.
@@ -64,11 +64,7 @@ def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
     """The job config as plain data with legacy keys migrated into the block."""
     data = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(data, dict)
-    fsdp_config = data.get("fsdp_config")
-    legacy = [k for k in LEGACY_KEYS[:-1] if k in data] or (
-        ["fsdp_config"] if isinstance(fsdp_config, dict) and "activation_checkpointing" in fsdp_config else []
-    )
-    if legacy and not _user_set_block():
+    if find_legacy_keys(data) and not _user_set_block():
         data.pop("activation_checkpointing", None)  # the default option, not a choice of the user's
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -7,13 +7,14 @@ migrated config is always one the block accepts.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Mapping
-from typing import Any, Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Tuple
 
+from lightning_ac._logging import rank_zero_warn
 from lightning_ac.config import CHECKPOINT_KWARGS, ConfigError, Placement, parse_config, parse_placement
 
-__all__ = ["LEGACY_KEYS", "LegacyConfigWarning", "migrate_legacy"]
+__all__ = ["LEGACY_KEYS", "LegacyConfigWarning", "find_legacy_keys", "migrate_legacy"]
 
 LEGACY_KEYS = (
     "gradient_checkpointing",
@@ -22,6 +23,7 @@ LEGACY_KEYS = (
     "activation_offloading",
     "fsdp_config.activation_checkpointing",
 )
+_FSDP_AC = "fsdp_config.activation_checkpointing"
 
 
 class LegacyConfigWarning(FutureWarning):
@@ -50,6 +52,176 @@ def _as_yaml(block: Any) -> str:
     return OmegaConf.to_yaml({"activation_checkpointing": block}).rstrip()
 
 
+def find_legacy_keys(mapping: Mapping[str, Any]) -> List[str]:
+    """The deprecated checkpointing keys set in a config, in :data:`LEGACY_KEYS` order.
+
+    Args:
+        mapping: A training config (``dict`` or ``DictConfig``).
+
+    Returns:
+        The top-level deprecated keys present, then ``"fsdp_config.activation_checkpointing"`` when
+        ``fsdp_config`` is a mapping holding ``activation_checkpointing``. Empty when none is set.
+    """
+    present = [key for key in LEGACY_KEYS if key != _FSDP_AC and key in mapping]
+    fsdp_config = mapping.get("fsdp_config")
+    if isinstance(fsdp_config, Mapping) and "activation_checkpointing" in fsdp_config:
+        present.append(_FSDP_AC)
+    return present
+
+
+@dataclass
+class _Migration:
+    """What the rewriters build, each from its own legacy key.
+
+    Attributes:
+        block: The ``activation_checkpointing`` block, without ``offload``.
+        offload: The block's ``offload`` mapping (target -> placement), added to ``block`` last.
+        notes: Settings dropped on the way, appended to the warning.
+        recompute: Whether ``gradient_checkpointing`` or ``fsdp_config.activation_checkpointing`` turned
+            recompute on; the later keys refine recompute, so their rewriters read it.
+    """
+
+    block: Dict[str, Any] = field(default_factory=dict)
+    offload: Dict[str, str] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    recompute: bool = False
+
+    def result(self) -> Any:
+        """The migrated block: a mapping, or a bare ``true``/``false`` when no key needed more than that."""
+        if self.offload:
+            self.block["offload"] = self.offload
+        # true when recompute was on, false when every legacy key was off
+        return self.block if self.block else self.recompute
+
+
+def _reject_disk(gc: Any, act_offload: Any) -> None:
+    """Disk offload under either key fails before any other check: it is the error users hit before."""
+    if gc == "offload_disk" or act_offload == "disk":
+        key = "gradient_checkpointing: offload_disk" if gc == "offload_disk" else "activation_offloading: disk"
+        raise ConfigError(f"{key}: rejected, {_DISK}. Use activation_checkpointing: {{offload: {{all: cpu}}}} instead.")
+
+
+def _gradient_checkpointing(state: _Migration, gc: Any) -> None:
+    """``gradient_checkpointing: true | false | offload`` (``offload_disk`` is rejected earlier)."""
+    if not (gc is None or isinstance(gc, bool) or gc == "offload"):
+        raise ConfigError(
+            f"gradient_checkpointing: expected true, false or offload, got {gc!r}. "
+            "Replace it with activation_checkpointing: true."
+        )
+    if gc == "offload":
+        state.offload["all"] = "cpu"
+    state.recompute = bool(gc)
+
+
+def _fsdp_activation_checkpointing(state: _Migration, fsdp_ac: Any) -> None:
+    """``fsdp_config.activation_checkpointing: true | false``: recompute through FSDP's wrapper."""
+    if fsdp_ac is not None and not isinstance(fsdp_ac, bool):
+        raise ConfigError(
+            f"fsdp_config.activation_checkpointing: expected true or false, got {fsdp_ac!r}. "
+            "Replace it with activation_checkpointing: {implementation: fsdp}."
+        )
+    # state.recompute holds gradient_checkpointing alone here: this rewriter runs right after it
+    if state.recompute and fsdp_ac:
+        raise ConfigError(
+            "gradient_checkpointing and fsdp_config.activation_checkpointing cannot both be true (transformers' "
+            "Trainer rejected the two together). Use activation_checkpointing: true, or "
+            "activation_checkpointing: {implementation: fsdp} for FSDP's wrapper."
+        )
+    if fsdp_ac:
+        state.block["implementation"] = "fsdp"
+        state.recompute = True
+
+
+def _gradient_checkpointing_kwargs(state: _Migration, gc_kwargs: Any) -> None:
+    """``gradient_checkpointing_kwargs``: ``use_reentrant``, ``offload`` and torch.utils.checkpoint arguments."""
+    if gc_kwargs is None:
+        return
+    if not isinstance(gc_kwargs, Mapping):
+        raise ConfigError(f"gradient_checkpointing_kwargs: expected a mapping, got {gc_kwargs!r}.")
+    gc_kwargs = dict(gc_kwargs)
+    if not state.recompute:
+        state.notes.append(
+            f"gradient_checkpointing_kwargs {gc_kwargs} had no effect without gradient_checkpointing and was dropped"
+        )
+        return
+    if "use_reentrant" in gc_kwargs:
+        state.block["reentrant"] = gc_kwargs.pop("use_reentrant")
+    if parse_placement(gc_kwargs.pop("offload", None), "gradient_checkpointing_kwargs.offload") != Placement.none:
+        state.offload["hidden_states"] = "cpu"
+    dropped = sorted(k for k in gc_kwargs if k not in CHECKPOINT_KWARGS | {"every_n_layers"})
+    if dropped:
+        state.notes.append(
+            f"gradient_checkpointing_kwargs {', '.join(dropped)} dropped: torch.utils.checkpoint does not accept them"
+        )
+    kept = {k: v for k, v in gc_kwargs.items() if k not in dropped}
+    if kept:
+        state.block["kwargs"] = kept
+
+
+def _selective_checkpointing(state: _Migration, selective: Any) -> None:
+    """``selective_checkpointing: true | {...}``, with its own ``offload``; it refines recompute."""
+    if selective is None or selective is False:
+        return
+    if not state.recompute:
+        raise ConfigError(
+            "selective_checkpointing needs gradient_checkpointing: true (selective checkpointing refines "
+            "recompute). Use activation_checkpointing: {selective: true}."
+        )
+    if isinstance(selective, Mapping):
+        selective = dict(selective)
+        if parse_placement(selective.pop("offload", None), "selective_checkpointing.offload") != Placement.none:
+            state.offload["selective"] = "cpu"
+        state.block["selective"] = selective if selective else True
+    else:
+        state.block["selective"] = selective
+
+
+def _activation_offloading(state: _Migration, act_offload: Any) -> None:
+    """``activation_offloading: true | legacy | hidden_states`` (``disk`` is rejected earlier)."""
+    if act_offload is None or act_offload is False:
+        return
+    if act_offload is True or act_offload == "legacy":
+        state.offload["all"] = "cpu"
+        if not state.recompute:
+            state.block["enabled"] = False
+    elif act_offload == "hidden_states":
+        if not state.recompute:
+            raise ConfigError(
+                "activation_offloading: hidden_states needs gradient_checkpointing: true, since only "
+                "checkpointed layer inputs are offloaded. Use "
+                "activation_checkpointing: {offload: {hidden_states: cpu}}."
+            )
+        state.offload["hidden_states"] = "cpu"
+    else:
+        raise ConfigError(
+            f"activation_offloading: expected true, legacy or hidden_states, got {act_offload!r}. "
+            "Use activation_checkpointing: {offload: {all: cpu}}."
+        )
+
+
+# The order rewriters run in, which is also the order errors are found in and keys enter the block (and so the
+# YAML in the warning). The two keys that turn recompute on come first, since the others read state.recompute.
+_REWRITERS: Tuple[Tuple[str, Callable[[_Migration, Any], None]], ...] = (
+    ("gradient_checkpointing", _gradient_checkpointing),
+    (_FSDP_AC, _fsdp_activation_checkpointing),
+    ("gradient_checkpointing_kwargs", _gradient_checkpointing_kwargs),
+    ("selective_checkpointing", _selective_checkpointing),
+    ("activation_offloading", _activation_offloading),
+)
+
+
+def _pop_legacy(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Remove every legacy key from ``cfg`` (in place) and return their values, ``None`` for keys not set."""
+    values = {key: cfg.pop(key, None) for key in LEGACY_KEYS if key != _FSDP_AC}
+    fsdp_config = cfg.get("fsdp_config")
+    values[_FSDP_AC] = None
+    if isinstance(fsdp_config, Mapping) and "activation_checkpointing" in fsdp_config:
+        fsdp_config = dict(fsdp_config)
+        values[_FSDP_AC] = fsdp_config.pop("activation_checkpointing")
+        cfg["fsdp_config"] = fsdp_config
+    return values
+
+
 def migrate_legacy(mapping: Any) -> Dict[str, Any]:
     """Rewrite deprecated checkpointing keys into the ``activation_checkpointing`` block.
 
@@ -67,16 +239,13 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
             ``activation_offloading: hidden_states`` without ``gradient_checkpointing``,
             ``gradient_checkpointing`` together with ``fsdp_config.activation_checkpointing``), and for a
             deprecated key set next to ``activation_checkpointing``.
+        TypeError: If ``mapping`` is not a mapping.
 
     Warns:
         LegacyConfigWarning: Once, printing the replacement block as YAML.
     """
     cfg = _to_plain(mapping)
-    fsdp_config = cfg.get("fsdp_config")
-    has_fsdp_ac = isinstance(fsdp_config, Mapping) and "activation_checkpointing" in fsdp_config
-    present = [k for k in LEGACY_KEYS[:-1] if k in cfg] + (
-        ["fsdp_config.activation_checkpointing"] if has_fsdp_ac else []
-    )
+    present = find_legacy_keys(cfg)
     if not present:
         return cfg
     if "activation_checkpointing" in cfg:
@@ -85,117 +254,12 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
             "activation_checkpointing. Move the setting into the activation_checkpointing block and remove "
             f"{', '.join(present)}."
         )
-
-    gc = cfg.pop("gradient_checkpointing", None)
-    gc_kwargs = cfg.pop("gradient_checkpointing_kwargs", None)
-    selective = cfg.pop("selective_checkpointing", None)
-    act_offload = cfg.pop("activation_offloading", None)
-    fsdp_ac = None
-    if has_fsdp_ac:
-        fsdp_config = dict(fsdp_config)
-        fsdp_ac = fsdp_config.pop("activation_checkpointing")
-        cfg["fsdp_config"] = fsdp_config
-
-    notes: List[str] = []
-    block: Dict[str, Any] = {}
-    offload: Dict[str, str] = {}
-
-    # gradient_checkpointing: true | false | offload | offload_disk
-    if gc == "offload_disk" or act_offload == "disk":
-        key = "gradient_checkpointing: offload_disk" if gc == "offload_disk" else "activation_offloading: disk"
-        raise ConfigError(f"{key}: rejected, {_DISK}. Use activation_checkpointing: {{offload: {{all: cpu}}}} instead.")
-    if not (gc is None or isinstance(gc, bool) or gc == "offload"):
-        raise ConfigError(
-            f"gradient_checkpointing: expected true, false or offload, got {gc!r}. "
-            "Replace it with activation_checkpointing: true."
-        )
-    if gc == "offload":
-        offload["all"] = "cpu"
-    if fsdp_ac is not None and not isinstance(fsdp_ac, bool):
-        raise ConfigError(
-            f"fsdp_config.activation_checkpointing: expected true or false, got {fsdp_ac!r}. "
-            "Replace it with activation_checkpointing: {implementation: fsdp}."
-        )
-    if gc and fsdp_ac:
-        raise ConfigError(
-            "gradient_checkpointing and fsdp_config.activation_checkpointing cannot both be true (transformers' "
-            "Trainer rejected the two together). Use activation_checkpointing: true, or "
-            "activation_checkpointing: {implementation: fsdp} for FSDP's wrapper."
-        )
-    if fsdp_ac:
-        block["implementation"] = "fsdp"
-    recompute = bool(gc) or bool(fsdp_ac)
-
-    # gradient_checkpointing_kwargs: use_reentrant, offload, and torch.utils.checkpoint arguments
-    if gc_kwargs is not None:
-        if not isinstance(gc_kwargs, Mapping):
-            raise ConfigError(f"gradient_checkpointing_kwargs: expected a mapping, got {gc_kwargs!r}.")
-        gc_kwargs = dict(gc_kwargs)
-        if not recompute:
-            notes.append(
-                f"gradient_checkpointing_kwargs {gc_kwargs} had no effect without gradient_checkpointing "
-                "and was dropped"
-            )
-        else:
-            if "use_reentrant" in gc_kwargs:
-                block["reentrant"] = gc_kwargs.pop("use_reentrant")
-            if (
-                parse_placement(gc_kwargs.pop("offload", None), "gradient_checkpointing_kwargs.offload")
-                != Placement.none
-            ):
-                offload["hidden_states"] = "cpu"
-            dropped = sorted(k for k in gc_kwargs if k not in CHECKPOINT_KWARGS | {"every_n_layers"})
-            if dropped:
-                notes.append(
-                    f"gradient_checkpointing_kwargs {', '.join(dropped)} dropped: torch.utils.checkpoint does not "
-                    "accept them"
-                )
-            kept = {k: v for k, v in gc_kwargs.items() if k not in dropped}
-            if kept:
-                block["kwargs"] = kept
-
-    # selective_checkpointing: true | {...} (with its own offload)
-    if selective is not None and selective is not False:
-        if not recompute:
-            raise ConfigError(
-                "selective_checkpointing needs gradient_checkpointing: true (selective checkpointing refines "
-                "recompute). Use activation_checkpointing: {selective: true}."
-            )
-        if isinstance(selective, Mapping):
-            selective = dict(selective)
-            if parse_placement(selective.pop("offload", None), "selective_checkpointing.offload") != Placement.none:
-                offload["selective"] = "cpu"
-            block["selective"] = selective if selective else True
-        else:
-            block["selective"] = selective
-
-    # activation_offloading: true | legacy | hidden_states | disk
-    if act_offload is not None and act_offload is not False:
-        if act_offload is True or act_offload == "legacy":
-            offload["all"] = "cpu"
-            if not recompute:
-                block["enabled"] = False
-        elif act_offload == "hidden_states":
-            if not recompute:
-                raise ConfigError(
-                    "activation_offloading: hidden_states needs gradient_checkpointing: true, since only "
-                    "checkpointed layer inputs are offloaded. Use "
-                    "activation_checkpointing: {offload: {hidden_states: cpu}}."
-                )
-            offload["hidden_states"] = "cpu"
-        else:
-            raise ConfigError(
-                f"activation_offloading: expected true, legacy or hidden_states, got {act_offload!r}. "
-                "Use activation_checkpointing: {offload: {all: cpu}}."
-            )
-
-    if offload:
-        block["offload"] = offload
-    new: Any
-    if block:
-        new = block
-    else:
-        new = recompute  # true when recompute was on, false when every legacy key was off
+    values = _pop_legacy(cfg)
+    _reject_disk(values["gradient_checkpointing"], values["activation_offloading"])
+    state = _Migration()
+    for key, rewrite in _REWRITERS:
+        rewrite(state, values[key])
+    new = state.result()
 
     parse_config(new)  # combinations the block rejects (e.g. offload.all with offload.hidden_states) fail here
     cfg["activation_checkpointing"] = new
@@ -203,7 +267,7 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
         f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} deprecated and will be removed in a future "
         f"release. Replace {'it' if len(present) == 1 else 'them'} with:\n\n{_as_yaml(new)}\n"
     )
-    if notes:
-        message += "\nNote: " + "; ".join(notes) + "."
-    warnings.warn(message, LegacyConfigWarning, stacklevel=2)
+    if state.notes:
+        message += "\nNote: " + "; ".join(state.notes) + "."
+    rank_zero_warn(message, LegacyConfigWarning, stacklevel=6)
     return cfg

@@ -65,7 +65,7 @@ def _row(mode, peak, step, kind="suite"):
 
 
 def test_planner_picks_the_fastest_mode_that_fits():
-    from lightning_ac.planner import explain, plan_mode, scaling_errors
+    from lightning_ac.bench.planner import explain, plan_mode, scaling_errors
 
     rows = [
         _row("off", 1000, 1.0),

@@ -9,7 +9,7 @@ import torch
 from conftest import clone, fit, tiny_model
 
 from lightning_ac import ActivationCheckpointing
-from lightning_ac.memory import StepMetrics
+from lightning_ac.bench.memory import StepMetrics
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,7 +6,7 @@
 Each mode trains the same model from the same weights on the same batch, in one process, with repetitions
 alternating between modes so that machine drift hits all modes alike. Suite modes go through our callbacks
 in a real Trainer; anchors apply transformers' or torch's checkpointing directly, without our code, in the
-same Trainer harness. Memory and step time come from :mod:`lightning_ac.memory`, the code the main job uses.
+same Trainer harness. Memory and step time come from :mod:`lightning_ac.bench.memory`, the code the main job uses.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_ac._logging import log
+from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.callbacks import callbacks_from_config
-from lightning_ac.memory import StepMetrics
 
-__all__ = ["MODES", "PRESETS", "Row", "main", "run_benchmark"]
+__all__ = ["MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # A Llama-style model where attention is a large share of each layer: hidden 256, 8 layers, 2k tokens.
@@ -451,14 +452,14 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     args = parser.parse_args(argv)
     preset = args.preset or ("gpu-8k" if torch.cuda.is_available() else "cpu-small")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning_ac").setLevel(logging.WARNING)
+    log.setLevel(logging.WARNING)  # the suite's own logger: the table below is the output
     warnings.filterwarnings("ignore")
     rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
     table = results_markdown(rows)
     print(table)
     advice = None
     if args.budget_gib is not None:
-        from lightning_ac.planner import explain, plan_mode, scaling_errors
+        from lightning_ac.bench.planner import explain, plan_mode, scaling_errors
 
         seq = args.seq or PRESETS[preset]["seq"]
         batch = args.batch or PRESETS[preset]["batch"]
@@ -478,7 +479,3 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
         plot(rows, args.out / "memory_time.png")
     return rows
-
-
-if __name__ == "__main__":
-    main()

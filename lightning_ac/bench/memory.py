@@ -8,7 +8,6 @@ peaks. MemTracker slows the step it watches, so that step is left out of the ste
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -18,9 +17,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["MemoryPeak", "StepMetrics", "measure_step"]
+from lightning_ac._logging import rank_zero_warn
 
-log = logging.getLogger("lightning_ac")
+__all__ = ["MemoryPeak", "StepMetrics", "measure_step"]
 
 
 @dataclass
@@ -166,7 +165,7 @@ class StepMetrics(Callback):
                 measurement.__enter__()
                 self._measurement = measurement
             except Exception as err:  # MemTracker is private torch API: never let it stop training
-                log.warning("lightning_ac: memory measurement unavailable (%s: %s)", type(err).__name__, err)
+                rank_zero_warn(f"memory measurement unavailable ({type(err).__name__}: {err})")
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         self._start = time.perf_counter()
@@ -186,7 +185,7 @@ class StepMetrics(Callback):
                 measurement.__exit__(None, None, None)
                 self.peak = measurement.result
             except Exception as err:
-                log.warning("lightning_ac: memory measurement failed (%s: %s)", type(err).__name__, err)
+                rank_zero_warn(f"memory measurement failed ({type(err).__name__}: {err})")
         elif trainer.global_step > self.warmup_steps:
             self.step_times.append(elapsed)
 

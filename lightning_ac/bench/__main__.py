@@ -1,0 +1,6 @@
+"""``python -m lightning_ac.bench``: run the mode benchmark (see :mod:`lightning_ac.bench.harness`)."""
+
+from lightning_ac.bench.harness import main
+
+if __name__ == "__main__":
+    main()
