@@ -175,6 +175,19 @@ def llama():
     return tiny_model("llama")
 
 
+@pytest.fixture(params=["host", pytest.param("simulated", marks=pytest.mark.simulated)])
+def transfer(request):
+    """Where offload copies run: ``host``, the synchronous ``copy_on_host`` branch; ``simulated``, the
+    accelerator branch on the simulated asynchronous device (deferred copies, poison, release checks)."""
+    if request.param == "host":
+        yield None
+        return
+    from lightning_ac.offload.simulated import SimulatedDevice
+
+    with SimulatedDevice() as sim:
+        yield sim
+
+
 @pytest.fixture(autouse=True)
 def _capture_suite_log(caplog):
     caplog.set_level("INFO", logger="lightning_ac")

@@ -63,7 +63,7 @@ def lora_reference(lora_llama):
     ],
     ids=["alone", "full", "every_2", "reentrant", "selective", "hidden_states", "selective_offload", "offload_all"],
 )
-def test_training_is_exact_and_each_layer_visits_twice_per_step(lora_llama, lora_reference, others):
+def test_training_is_exact_and_each_layer_visits_twice_per_step(lora_llama, lora_reference, others, transfer):
     callback = layer_offload()
     run = fit(clone(lora_llama), [make() for make in others] + [callback], max_steps=2)
     assert_same_training(lora_reference, run)
@@ -74,14 +74,14 @@ def test_training_is_exact_and_each_layer_visits_twice_per_step(lora_llama, lora
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
-def test_sliding_window_families(family):
+def test_sliding_window_families(family, transfer):
     base = tiny_model(family, lora=True)
     reference = fit(clone(base), max_steps=2)
     run = fit(clone(base), [ActivationCheckpointing(selective=True), layer_offload()], max_steps=2)
     assert_same_training(reference, run)
 
 
-def test_gradient_accumulation_and_a_full_finetune_head(lora_llama):
+def test_gradient_accumulation_and_a_full_finetune_head(lora_llama, transfer):
     reference = fit(clone(lora_llama), max_steps=2, accumulate_grad_batches=2)
     run = fit(clone(lora_llama), [layer_offload()], max_steps=2, accumulate_grad_batches=2)
     assert_same_training(reference, run)
@@ -99,9 +99,9 @@ class DeviceCopySpy(pl.Callback):
         streamer = self.callback.plan.weight_streamer
         original = streamer._load
 
-        def load(layer):
+        def load(layer, *args, **kwargs):
             fresh = layer.device is None
-            original(layer)
+            original(layer, *args, **kwargs)
             if fresh:
                 self.refs.extend(StorageWeakRef(t.untyped_storage()) for t in layer.device)
 
@@ -114,7 +114,7 @@ class DeviceCopySpy(pl.Callback):
         self.alive_before_backward.append(sum(not ref.expired() for ref in self.refs))
 
 
-def test_forward_keeps_no_device_copy_even_without_checkpointing(lora_llama):
+def test_forward_keeps_no_device_copy_even_without_checkpointing(lora_llama, transfer):
     # Autograd saves linear's weight as a view of the device copy; without the saved-tensor hook those views
     # would keep every layer's weights on the device until backward.
     callback = layer_offload()
@@ -151,7 +151,7 @@ class BetweenSteps(pl.Callback):
         )
 
 
-def test_state_dict_between_steps_and_model_left_as_found(lora_llama):
+def test_state_dict_between_steps_and_model_left_as_found(lora_llama, transfer):
     model = clone(lora_llama)
     module = LM(model)
     fingerprint = model_fingerprint(module)
@@ -181,7 +181,7 @@ class ValLM(LM):
         return loss
 
 
-def test_validate_only_run_is_exact(lora_llama):
+def test_validate_only_run_is_exact(lora_llama, transfer):
     plain = make_trainer().validate(ValLM(clone(lora_llama)), batches(), verbose=False)
     module = ValLM(clone(lora_llama))
     fingerprint = model_fingerprint(module)
@@ -190,7 +190,7 @@ def test_validate_only_run_is_exact(lora_llama):
     assert model_fingerprint(module) == fingerprint
 
 
-def test_validation_inside_fit_is_exact(lora_llama):
+def test_validation_inside_fit_is_exact(lora_llama, transfer):
     """The sanity check's validation (no grad) is the first forward: the weights move out there."""
 
     def run(callbacks):
@@ -210,7 +210,7 @@ class Boom(LM):
         return super().training_step(batch, batch_idx)
 
 
-def test_model_restored_after_an_exception(lora_llama):
+def test_model_restored_after_an_exception(lora_llama, transfer):
     module = Boom(clone(lora_llama))
     fingerprint = model_fingerprint(module)
     with pytest.raises(RuntimeError, match="boom"):
@@ -262,7 +262,7 @@ class Net(pl.LightningModule):
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "non-reentrant", "reentrant", "checkpoint_wrapper"])
-def test_plain_torch_layers_and_checkpoints_around_their_calls(checkpoint):
+def test_plain_torch_layers_and_checkpoints_around_their_calls(checkpoint, transfer):
     """Checkpoints that call the layer module again in backward (the model's own, torch's CheckpointWrapper):
     the recompute sees the same saved tensors, and releases follow the backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -283,7 +283,7 @@ def test_plain_torch_layers_and_checkpoints_around_their_calls(checkpoint):
     assert all(check["nothing loaded"] and check["data is the host copy"] for check in probe.checks)
 
 
-def test_saved_tensors_without_plain_storage_pass_through():
+def test_saved_tensors_without_plain_storage_pass_through(transfer):
     from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 
     class SparseBlock(Block):
@@ -310,7 +310,7 @@ def test_saved_tensors_without_plain_storage_pass_through():
         streamer.close()
 
 
-def test_a_backward_that_raises_leaves_nothing_loaded_for_the_next_step():
+def test_a_backward_that_raises_leaves_nothing_loaded_for_the_next_step(transfer):
     from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 
     torch.manual_seed(0)
@@ -345,7 +345,7 @@ class Unfreeze(pl.Callback):
             pl_module.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
 
 
-def test_a_parameter_unfrozen_during_training_leaves_the_stream(lora_llama):
+def test_a_parameter_unfrozen_during_training_leaves_the_stream(lora_llama, transfer):
     reference = fit(clone(lora_llama), [Unfreeze()], max_steps=3)
     callback = layer_offload()
     run = fit(clone(lora_llama), [Unfreeze(), callback], max_steps=3)

@@ -61,7 +61,7 @@ def llama_reference():
         (None, {"all": "cpu", "min_offload_bytes": 0}, {"all": None}),
     ],
 )
-def test_gradients_identical_and_counts(llama_reference, checkpointing, offload, expected):
+def test_gradients_identical_and_counts(llama_reference, checkpointing, offload, expected, transfer):
     base, reference = llama_reference
     callback = ActivationOffload(copy_on_host=True, **offload)
     callbacks = ([ActivationCheckpointing(**checkpointing)] if checkpointing is not None else []) + [callback]
@@ -82,7 +82,7 @@ def test_gradients_identical_and_counts(llama_reference, checkpointing, offload,
             assert stats["bytes"] == nbytes, (target, stats)
 
 
-def test_all_with_recompute_moves_layer_inputs_and_outside_saves_only(llama_reference):
+def test_all_with_recompute_moves_layer_inputs_and_outside_saves_only(llama_reference, transfer):
     base, reference = llama_reference
     with_recompute = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
     without = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
@@ -92,7 +92,7 @@ def test_all_with_recompute_moves_layer_inputs_and_outside_saves_only(llama_refe
     assert 4 <= with_recompute.last_step["all"]["tensors"] < without.last_step["all"]["tensors"] / 3
 
 
-def test_output_head_stays_on_device(llama_reference):
+def test_output_head_stays_on_device(llama_reference, transfer):
     base, _ = llama_reference
     seen = []
 
@@ -107,7 +107,7 @@ def test_output_head_stays_on_device(llama_reference):
     assert seen == [1]
 
 
-def test_lora_and_reentrant_with_hidden_states():
+def test_lora_and_reentrant_with_hidden_states(transfer):
     base = tiny_model("llama", lora=True)
     reference = fit(clone(base))
     for reentrant in (False, True):
@@ -117,7 +117,7 @@ def test_lora_and_reentrant_with_hidden_states():
         assert callback.last_step["hidden_states"]["tensors"] == 4
 
 
-def test_every_step_and_closure_are_offloaded(llama_reference):
+def test_every_step_and_closure_are_offloaded(llama_reference, transfer):
     base, _ = llama_reference
 
     class Counting(LM):
@@ -132,7 +132,7 @@ def test_every_step_and_closure_are_offloaded(llama_reference):
     assert callback.last_step["hidden_states"]["tensors"] % 4 == 0
 
 
-def test_inactive_outside_training(llama_reference):
+def test_inactive_outside_training(llama_reference, transfer):
     base, _ = llama_reference
     callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
     module = LM(clone(base))
@@ -147,7 +147,7 @@ class Boom(pl.Callback):
         raise RuntimeError("boom")
 
 
-def test_nothing_left_pushed_after_exception(llama_reference):
+def test_nothing_left_pushed_after_exception(llama_reference, transfer):
     base, _ = llama_reference
     module = LM(clone(base))
     fingerprint = model_fingerprint(module)
@@ -221,7 +221,7 @@ def roundtrip(engine: TransferEngine, tensors):
 
 
 @pytest.fixture
-def engine():
+def engine(transfer):
     return TransferEngine(torch.device("cpu"), copy_on_host=True)
 
 
@@ -338,7 +338,7 @@ def test_engine_detects_an_edit_racing_the_copy():
         engine.unpack(packed)
 
 
-def test_in_place_edit_after_save_does_not_reuse_a_stale_copy():
+def test_in_place_edit_after_save_does_not_reuse_a_stale_copy(transfer):
     torch.manual_seed(0)
     x, w, w2 = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
 

@@ -298,7 +298,7 @@ class TwoBackwards(LM):
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_second_backward_through_a_selective_region_says_why(llama, offload):
+def test_second_backward_through_a_selective_region_says_why(llama, offload, transfer):
     from lightning_ac import ActivationOffload
 
     module = TwoBackwards(llama)

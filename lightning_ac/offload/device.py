@@ -1,10 +1,12 @@
-"""The one seam between the copy engines and the device: streams, events, and the host-memory budget.
+"""The one seam between the copy engines and the device: streams, events, copies, pinned memory, host budget.
 
 Both copy engines (activation offloading's :class:`~lightning_ac.offload.engine.TransferEngine` and layer
-offloading's :class:`~lightning_ac.offload.weights.LayerWeightStreamer`) reach the device only through this
-module: whether copies can run asynchronously on it (:func:`is_asynchronous`), the side streams and events they
-run on (:class:`DeviceStreams`), and whether host memory can take what they are about to copy
-(:func:`check_host_budget`).
+offloading's :class:`~lightning_ac.offload.weights.LayerWeightStreamer`) reach an asynchronous device only
+through an :class:`AsyncDevice`: its streams and events, non-blocking copies, device allocations,
+``record_stream`` and pinned host memory. :func:`async_device` picks the implementation: the real accelerator
+(:class:`AcceleratorDevice`, through ``torch.get_device_module``), the simulated asynchronous device while one
+is active (:class:`~lightning_ac.offload.simulated.SimulatedDevice`, tests), or none, where the engines copy
+synchronously (a CPU device with ``copy_on_host``, MPS). Nothing in the engines knows which one it runs on.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["DeviceStreams", "HostMemoryError", "available_host_bytes", "check_host_budget", "is_asynchronous"]
+__all__ = [
+    "AcceleratorDevice",
+    "AsyncDevice",
+    "DeviceStreams",
+    "HostMemoryError",
+    "async_device",
+    "available_host_bytes",
+    "check_host_budget",
+    "is_asynchronous",
+]
 
 
 class HostMemoryError(RuntimeError):
@@ -66,24 +77,132 @@ def is_asynchronous(device: torch.device) -> bool:
     return device.type != "cpu" and hasattr(torch.get_device_module(device.type), "Stream")
 
 
-class DeviceStreams:
-    """A device-to-host and a host-to-device side stream, and the current stream, on an accelerator
-    (device-agnostic through ``torch.get_device_module``). The current stream is looked up at each use, since
-    FSDP2 and recompute switch streams."""
+class AsyncDevice:
+    """What the copy engines ask of a device whose copies run asynchronously.
+
+    Streams and events are the device's own objects (``wait_stream``, ``wait_event``, ``record_event``,
+    ``synchronize``; events ``query`` and ``synchronize``). Every allocation and copy names its ``role`` (what
+    the tensor is to the engine), which a simulated device uses in its reports.
+    """
+
+    device: torch.device
+
+    def new_stream(self) -> Any:
+        """A new side stream."""
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        """The stream the training computation runs on now (looked up at each use: FSDP2 and recompute switch
+        streams)."""
+        raise NotImplementedError
+
+    def use_stream(self, stream: Any) -> Any:
+        """A context in which ``stream`` is current."""
+        raise NotImplementedError
+
+    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
+        """Device memory, allocated on the current stream."""
+        raise NotImplementedError
+
+    def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
+        """Copy device memory ``source`` into ``host`` without blocking the host, on the current stream."""
+        raise NotImplementedError
+
+    def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
+        """A device copy of ``host``, allocated and copied without blocking the host, on the current stream."""
+        raise NotImplementedError
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator that ``stream`` uses ``tensor`` (allocated on another stream)."""
+        tensor.record_stream(stream)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-locked host memory."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer``'s memory page-locked: in place where the device supports it, else a pinned copy."""
+        return buffer.pin_memory()
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        """Undo :meth:`pin_in_place` for a buffer it pinned in place."""
+
+
+class AcceleratorDevice(AsyncDevice):
+    """A real accelerator with streams (CUDA, XPU...), device-agnostic through ``torch.get_device_module``."""
 
     def __init__(self, device: torch.device) -> None:
-        self.module = torch.get_device_module(device.type)
         self.device = device
-        self.d2h = self.module.Stream(device=device)
-        self.h2d = self.module.Stream(device=device)
+        self.module = torch.get_device_module(device.type)
+
+    def new_stream(self) -> Any:
+        return self.module.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def use_stream(self, stream: Any) -> Any:
+        return self.module.stream(stream)
+
+    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
+        host.copy_(source, non_blocking=True)
+
+    def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
+
+    def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
+        # CUDA page-locks the memory where it is (cudaHostRegister): torch's pinned allocator rounds each block up
+        # to a power of two, which would cost up to twice the weights' size in host memory.
+        if self.device.type == "cuda" and buffer.numel():
+            try:
+                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+                if buffer.is_pinned():
+                    return buffer
+            except Exception:  # noqa: BLE001 - an unavailable binding falls back to torch's pinned allocator
+                pass
+        return buffer.pin_memory()
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            except Exception:  # noqa: BLE001 - the memory is freed with the tensor either way
+                pass
+
+
+_simulated: Optional[AsyncDevice] = None  # set while a SimulatedDevice is active (tests)
+
+
+def async_device(device: torch.device) -> Optional[AsyncDevice]:
+    """The asynchronous device the engines copy through on ``device``, ``None`` where copies are synchronous.
+
+    A CPU device is asynchronous only while a :class:`~lightning_ac.offload.simulated.SimulatedDevice` is
+    active; an accelerator is when its device module has streams (MPS has none).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _simulated
+    return AcceleratorDevice(device) if is_asynchronous(device) else None
+
+
+class DeviceStreams:
+    """A device-to-host and a host-to-device side stream on an :class:`AsyncDevice`."""
+
+    def __init__(self, device: AsyncDevice) -> None:
+        self.device = device
+        self.d2h = device.new_stream()
+        self.h2d = device.new_stream()
 
     def current(self) -> Any:
         """The stream the training computation runs on now."""
-        return self.module.current_stream(self.device)
+        return self.device.current_stream()
 
     def stream(self, stream: Any) -> Any:
         """A context that makes ``stream`` current."""
-        return self.module.stream(stream)
+        return self.device.use_stream(stream)
 
     def synchronize(self) -> None:
         """Wait on the host until both side streams are idle."""

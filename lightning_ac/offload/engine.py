@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac.offload.device import DeviceStreams, check_host_budget, host_limit, is_asynchronous
+from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit
 
 __all__ = ["OffloadStats", "Packed", "TransferEngine"]
 
@@ -110,7 +110,8 @@ class TransferEngine:
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
-        self.asynchronous = is_asynchronous(self.device)
+        self._async = async_device(self.device)  # None: copies are synchronous (CPU copy_on_host, MPS)
+        self.asynchronous = self._async is not None
         self.enabled = self.on_accelerator or copy_on_host
         self.max_pinned_bytes = max_pinned_bytes
         self.stash_size = stash_size
@@ -205,7 +206,7 @@ class TransferEngine:
         if self._streams is not None and packed.copy.reload_event is not None:
             current = self._streams.current()
             current.wait_event(packed.copy.reload_event)
-            data.record_stream(current)  # the stream that uses it, known only now
+            self._streams.device.record_stream(data, current)  # the stream that uses it, known only now
         out = torch.empty(0, dtype=packed.dtype, device=data.device)
         out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
         packed.copy.pending_unpacks -= 1
@@ -219,15 +220,16 @@ class TransferEngine:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // _SIZE_CLASS) * _SIZE_CLASS if self.on_accelerator else nbytes
+    def _host_buffer(self, nbytes: int) -> Tuple[torch.Tensor, bool]:
+        """A host buffer of at least ``nbytes``, and whether it is pinned (pinned buffers go back to the pool)."""
+        size = -(-nbytes // _SIZE_CLASS) * _SIZE_CLASS if self.asynchronous else nbytes
         pool = self._pool.get(size)
         if pool:
-            return pool.pop()
-        pin = self.asynchronous and self._pinned_bytes + size <= self.max_pinned_bytes
-        if pin:
+            return pool.pop(), True
+        if self._async is not None and self._pinned_bytes + size <= self.max_pinned_bytes:
             self._pinned_bytes += size
-        return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            return self._async.pinned_empty(size), True
+        return torch.empty(size, dtype=torch.uint8, device="cpu"), False
 
     def _return_to_pool(self, buffer: torch.Tensor) -> None:
         self._pool[buffer.numel()].append(buffer)
@@ -247,22 +249,22 @@ class TransferEngine:
         self._check_host_memory(nbytes)
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         source.set_(tensor.untyped_storage(), start, (nbytes,), (1,))
-        buffer = self._host_buffer(nbytes)
+        buffer, pinned = self._host_buffer(nbytes)
         host = buffer[:nbytes]
         stats = self.stats[target]
         stats.tensors += 1
         stats.bytes += nbytes
         copy = _HostCopy(host=host, storage=storage, version=tensor._version, start=start, nbytes=nbytes)
-        if buffer.is_pinned():
+        if pinned:
             weakref.finalize(copy, self._return_to_pool, buffer)
-        if not self.asynchronous:
+        if self._async is None:
             host.copy_(source)
             return copy
         streams = self._ensure_streams()
         streams.d2h.wait_stream(streams.current())  # after the kernels that produced the tensor
         streams.d2h.wait_stream(streams.h2d)  # a pooled buffer may still feed a reload
         with streams.stream(streams.d2h):
-            host.copy_(source, non_blocking=True)
+            self._async.copy_to_host(host, source, "host copy of a saved activation")
             copy.event = streams.d2h.record_event()
         # Keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them, and
         # watch the version counter: an in-place edit on the compute stream could race with the copy.
@@ -285,14 +287,15 @@ class TransferEngine:
             self._retire(entry)
 
     def _ensure_streams(self) -> DeviceStreams:
+        assert self._async is not None
         if self._streams is None:
-            self._streams = DeviceStreams(self.device)
+            self._streams = DeviceStreams(self._async)
         return self._streams
 
     def _reload(self, copy: _HostCopy) -> torch.Tensor:
         if copy.device_data is not None:
             return copy.device_data
-        if not self.asynchronous:
+        if self._async is None:
             data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
             data.copy_(copy.host)
             copy.device_data = data
@@ -301,8 +304,7 @@ class TransferEngine:
         with streams.stream(streams.h2d):
             if copy.event is not None:
                 streams.h2d.wait_event(copy.event)
-            data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
-            data.copy_(copy.host, non_blocking=True)
+            data = self._async.to_device(copy.host, "reloaded activation bytes")
             copy.reload_event = streams.h2d.record_event()
         copy.device_data = data
         return data

@@ -16,9 +16,14 @@ from the reloaded copy when backward asks for it; other tensors go to the saved-
 (activation offloading's, or a checkpoint's around the layer).
 
 The CPU may run ahead of the device; the allocator cannot reuse a released copy until the device has finished
-with it, so each new copy waits until the device has passed the release of the layer two copies back (as
-FSDP's ``limit_all_gathers`` does). On a CPU device the same path runs with separate host tensors standing in
-for device copies (``copy_on_host``): that is how the logic is tested without an accelerator.
+with it (the copy is ``record_stream``'d to the compute stream), so the host waits for the device before each
+new copy (as FSDP's ``limit_all_gathers`` does), to keep two layers on the device at most: in forward the next
+layer is loaded once this one's kernels are issued, after the device has passed the release of the layer
+before; in backward the layer before is loaded once the device has passed the release of the layer after.
+
+On a CPU device the same path runs synchronously with separate host tensors standing in for device copies
+(``copy_on_host``); the accelerator branch runs on the CPU on the simulated asynchronous device
+(:mod:`lightning_ac.offload.simulated`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from lightning_ac.offload.device import DeviceStreams, check_host_budget, host_limit, is_asynchronous
+from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit
 
 __all__ = ["LayerWeightStreamer", "frozen_layer_parameters"]
 
@@ -106,7 +111,8 @@ class LayerWeightStreamer:
         self.host_reserve_bytes = host_reserve_bytes
         self.modules = list(layers)
         self.layers = [_Layer(i, list(ps)) for i, ps in enumerate(params)]
-        self._streams = DeviceStreams(self.device) if is_asynchronous(self.device) else None
+        self._async = async_device(self.device)  # None: copies are synchronous (CPU copy_on_host, MPS)
+        self._streams = DeviceStreams(self._async) if self._async is not None else None
         self.stats: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
         self.host_bytes = 0
         self._offloaded = False
@@ -232,7 +238,7 @@ class LayerWeightStreamer:
         copies = []
         for p, offset in zip(params, offsets):
             if offset is None:
-                host = torch.empty_like(p.data, device="cpu", pin_memory=self._streams is not None)
+                host = self._pinned(torch.empty_like(p.data, device="cpu"))
             else:
                 host = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
             host.copy_(p.data)
@@ -240,28 +246,21 @@ class LayerWeightStreamer:
         return copies
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        """Host bytes for one layer: pinned when copies run on streams. CUDA memory is page-locked in place
-        (``cudaHostRegister``): torch's pinned allocator rounds each block up to a power of two, which would
-        cost up to twice the weights' size in host memory."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        if self._streams is None or nbytes == 0:
+        """Host bytes for one layer: pinned (in place where the device can) when copies run on streams."""
+        return self._pinned(torch.empty(nbytes, dtype=torch.uint8))
+
+    def _pinned(self, buffer: torch.Tensor) -> torch.Tensor:
+        if self._async is None or buffer.numel() == 0:
             return buffer
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-                if buffer.is_pinned():
-                    self._registered.append(buffer)
-                    return buffer
-            except Exception:  # noqa: BLE001 - an unavailable binding falls back to torch's pinned allocator
-                pass
-        return buffer.pin_memory()
+        pinned = self._async.pin_in_place(buffer)
+        if pinned.data_ptr() == buffer.data_ptr():
+            self._registered.append(pinned)  # page-locked in place: unpinned in close()
+        return pinned
 
     def _unregister_host_buffers(self) -> None:
-        for buffer in self._registered:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-            except Exception:  # noqa: BLE001 - the memory is freed with the tensor either way
-                pass
+        if self._async is not None:
+            for buffer in self._registered:
+                self._async.unpin(buffer)
         self._registered = []
 
     def _own_copy(self, host: torch.Tensor, target: torch.device) -> torch.Tensor:
@@ -289,20 +288,24 @@ class LayerWeightStreamer:
 
     # -- moving parameters --------------------------------------------------------------------------------
 
-    def _load(self, layer: _Layer) -> None:
-        """Start copying a layer's parameters to the device (asynchronously on an accelerator)."""
+    def _load(self, layer: _Layer, pending_releases: int = 1) -> None:
+        """Start copying a layer's parameters to the device (asynchronously on an accelerator).
+
+        Args:
+            layer: The layer to load.
+            pending_releases: How many released layers the device may still be using when the copy starts: the
+                memory of a released copy is reusable only once the device has passed its release.
+        """
         if layer.device is not None:
             return
         self._refresh(layer)
         if not layer.params:
             return
         if self._streams is not None:
-            # Bound how far the CPU runs ahead: the memory of a released copy is reusable only once the device
-            # has passed its release.
-            while len(self._release_events) > 1:
-                self._release_events.popleft().synchronize()
+            while len(self._release_events) > pending_releases:
+                self._release_events.popleft().synchronize()  # bound how far the CPU runs ahead
             with self._streams.stream(self._streams.h2d):
-                layer.device = [h.to(self.device, non_blocking=True) for h in layer.host]
+                layer.device = [self._async.to_device(h, f"layer weights: layer {layer.index}") for h in layer.host]
                 layer.event = self._streams.h2d.record_event()
         elif self.on_accelerator:
             layer.device = [h.to(self.device) for h in layer.host]
@@ -324,7 +327,7 @@ class LayerWeightStreamer:
             current = self._streams.current()
             current.wait_event(layer.event)
             for t in layer.device:
-                t.record_stream(current)  # allocated on the copy stream, used on this one
+                self._streams.device.record_stream(t, current)  # allocated on the copy stream, used on this one
             layer.event = None
         for p, t in zip(layer.params, layer.device):
             if not _holds(p, t):
@@ -334,8 +337,8 @@ class LayerWeightStreamer:
         """Point the parameters back at their host copies; the device copies are freed."""
         if layer.device is None:
             return
-        for t in layer.device:
-            self._by_storage.pop(t.untyped_storage().data_ptr(), None)
+        for key in [t.untyped_storage().data_ptr() for t in layer.device]:  # no loop variable keeps one alive
+            self._by_storage.pop(key, None)
         for p, host in zip(layer.params, layer.host):
             p.data = host
         layer.device = None
@@ -359,9 +362,6 @@ class LayerWeightStreamer:
                 self._backward_reached(layer)
             else:
                 self._use(layer)
-                nxt = layer.index + 1
-                if nxt < len(self.layers):
-                    self._load(self.layers[nxt])
             context = None
             if torch.is_grad_enabled():
                 # Pushed in forward and in a recompute alike, so a checkpoint around the call sees the same saves.
@@ -384,6 +384,10 @@ class LayerWeightStreamer:
                     needs_grad, lambda grads: self._backward_reached(layer), mode="any"
                 )
             self._release(layer)
+            # The next layer's copy runs while the device computes this one, which may still use this layer's
+            # memory: one release may stay pending.
+            if layer.index + 1 < len(self.layers):
+                self._load(self.layers[layer.index + 1], pending_releases=1)
 
         return post_hook
 
@@ -397,7 +401,9 @@ class LayerWeightStreamer:
         for later in self.layers[layer.index + 1 :]:
             self._release(later)
         if layer.index > 0:
-            self._load(self.layers[layer.index - 1])
+            # Backward loads the layer before while it still holds this one: the device must be done with the
+            # layers after it.
+            self._load(self.layers[layer.index - 1], pending_releases=0)
 
     def _saved_tensor_hooks(self) -> Tuple[Any, Any]:
         """Saved-tensor hooks for a layer's call: views of loaded parameters are kept as references,

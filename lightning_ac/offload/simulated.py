@@ -1,0 +1,400 @@
+"""A simulated asynchronous device: the engines' accelerator branch, run on the CPU with a device's hazards.
+
+While a :class:`SimulatedDevice` is active, :func:`~lightning_ac.offload.device.async_device` hands it to the
+copy engines for the CPU device, so they run the code a CUDA device runs (side streams, events,
+``record_stream``, the pinned pool, the bounded stash, prefetch, release events), not their synchronous
+``copy_on_host`` branch. The simulated device is as slow as it may be: nothing it is asked to do happens until
+something waits for it.
+
+- **Deferred copies.** A copy issued on a side stream runs only when a stream that consumes it waits on an
+  event recorded after it (the compute stream's ``wait_event`` runs it at once: compute is the CPU itself),
+  when that event or stream is synchronized, or at :meth:`SimulatedDevice.synchronize`. Until then its
+  destination holds poison (every byte ``0xFF``: NaN for floating tensors, ``-1`` for integers), so a missing
+  wait shows up as wrong losses and gradients.
+- **Premature release.** Memory the transfer code gives up (its last reference dropped) while a pending copy
+  still reads or writes it is a :class:`SimulatedDeviceError` naming the tensor's role. A copy that touches
+  memory a pending copy on another stream writes (or reads, when it writes) must be ordered after that copy
+  (``wait_event``/``wait_stream``). A copy that reads a tensor the compute stream produced must be issued after
+  the side stream waited on the compute stream.
+- **Device memory.** Every device allocation is counted by role (the part of its role before any ``:``) until
+  it is freed, and, when it was ``record_stream``'d to the compute stream, until the device has reached the
+  point where it was freed (an event recorded on the compute stream after it, synchronized). Peaks are in
+  :attr:`SimulatedDevice.peak_bytes`; the most copies in flight on each stream in
+  :attr:`SimulatedDevice.peak_in_flight`.
+
+What it cannot model: the compute stream runs eagerly on the CPU, so its kernels are finished before any side
+stream could read their outputs (the rule on compute-produced tensors above stands in for that race), and it
+has finished with a tensor before the allocator could hand that tensor's memory to a side stream, so a missing
+``record_stream`` changes nothing here: :meth:`SimulatedDevice.recorded_to_compute` lets a test check it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_ac.offload import device as _device
+from lightning_ac.offload.device import AsyncDevice
+
+__all__ = ["SimulatedDevice", "SimulatedDeviceError"]
+
+POISON = 0xFF
+
+
+class SimulatedDeviceError(RuntimeError):
+    """The transfer code did something a real device would turn into a race or a use-after-free."""
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """How many tensors hold ``tensor``'s memory (less the storage object this call makes)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill with 0xFF bytes: NaN in every floating dtype, -1 in integer ones."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        tensor.view(-1).view(torch.uint8).fill_(POISON)
+    else:
+        tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
+
+
+@dataclass(eq=False)
+class _Copy:
+    """A copy issued on a side stream and not run yet."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    role: str
+    seq: int
+    reported: bool = False  # released under it: reported once
+
+
+@dataclass(eq=False)
+class _Wait:
+    """A side stream's wait for ``stream`` to reach ``seq``."""
+
+    stream: SimStream
+    seq: int
+
+
+@dataclass(eq=False)
+class _Allocation:
+    storage: StorageWeakRef
+    data_ptr: int
+    nbytes: int
+    kind: str
+    role: str
+    stream: SimStream
+    seq: int  # the stream's position when allocated: the copy that fills it comes after
+    recorded_to_compute: bool = False
+    freed_at: Optional[int] = None  # compute-stream position when the transfer code freed it
+
+
+class SimEvent:
+    """A point on one stream's work."""
+
+    def __init__(self, stream: SimStream, seq: int) -> None:
+        self.stream, self.seq = stream, seq
+
+    def query(self) -> bool:
+        """Whether the stream has passed this point (nothing runs by being asked)."""
+        self.stream.sim._poll()
+        return self.stream.completed >= self.seq
+
+    def synchronize(self) -> None:
+        """Run the stream up to this point."""
+        self.stream.run_until(self.seq)
+
+
+class SimStream:
+    """A stream of the simulated device: work queued in order, run only when waited for."""
+
+    def __init__(self, sim: SimulatedDevice, name: str) -> None:
+        self.sim, self.name = sim, name
+        self.issued = 0  # positions handed out: one per queued item or compute-stream event
+        self.completed = 0
+        self.queue: collections.deque = collections.deque()
+        self.after: Dict[SimStream, int] = {}  # for each other stream, the position this stream is ordered after
+        self.waited_on_compute = False  # since the last copy of a compute-produced tensor
+
+    def _next(self) -> int:
+        self.issued += 1
+        return self.issued
+
+    def record_event(self) -> SimEvent:
+        self.sim._poll()
+        return SimEvent(self, self._next() if self is self.sim.compute else self.issued)
+
+    def wait_event(self, event: SimEvent) -> None:
+        self.sim._poll()
+        if self is self.sim.compute:
+            event.synchronize()  # compute is the CPU: its next op runs now, after the event
+            return
+        if event.stream is self.sim.compute:
+            self.waited_on_compute = True
+        self.after[event.stream] = max(self.after.get(event.stream, 0), event.seq)
+        self.queue.append(_Wait(event.stream, event.seq))
+        self._next()
+
+    def wait_stream(self, stream: SimStream) -> None:
+        self.wait_event(stream.record_event())
+
+    def synchronize(self) -> None:
+        self.run_until(self.issued)
+
+    def run_until(self, seq: int) -> None:
+        """Run queued work in order until this stream has passed ``seq``."""
+        if self is self.sim.compute:
+            self.completed = max(self.completed, seq)
+            self.sim._poll()
+            return
+        while self.completed < seq and self.queue:
+            item = self.queue.popleft()
+            if isinstance(item, _Wait):
+                item.stream.run_until(item.seq)
+            else:
+                self.sim._run(item)
+            self.completed += 1
+        self.completed = max(self.completed, min(seq, self.issued))
+        self.sim._poll()
+
+    def pending_copies(self) -> List[_Copy]:
+        return [item for item in self.queue if isinstance(item, _Copy)]
+
+
+@dataclass
+class _Stats:
+    peak_bytes: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    peak_in_flight: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    copies: int = 0
+
+
+class SimulatedDevice(AsyncDevice):
+    """An asynchronous device simulated on the CPU; active inside ``with SimulatedDevice() as sim:``.
+
+    Attributes:
+        peak_bytes: Per allocation kind (the role up to ``:``), the most device bytes held at once.
+        peak_in_flight: Per stream name, the most copies issued and not yet run.
+        copies: Copies run.
+    """
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.compute = SimStream(self, "compute")
+        self.streams: List[SimStream] = []
+        self._current: List[SimStream] = [self.compute]
+        self._allocations: List[_Allocation] = []  # device memory not yet reusable
+        self._stats = _Stats()
+        self._errors: List[str] = []
+        self._previous: Optional[AsyncDevice] = None
+
+    # -- activation ---------------------------------------------------------------------------------------
+
+    def __enter__(self) -> SimulatedDevice:
+        self._previous, _device._simulated = _device._simulated, self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _device._simulated = self._previous
+        if exc[0] is None:
+            self.synchronize()
+
+    @property
+    def peak_bytes(self) -> Dict[str, int]:
+        return dict(self._stats.peak_bytes)
+
+    @property
+    def peak_in_flight(self) -> Dict[str, int]:
+        return dict(self._stats.peak_in_flight)
+
+    @property
+    def copies(self) -> int:
+        return self._stats.copies
+
+    def synchronize(self) -> None:
+        """The whole device idle: every stream run to its end, the compute stream too."""
+        for stream in self.streams:
+            stream.synchronize()
+        self.compute.synchronize()
+        self._poll()
+
+    # -- AsyncDevice ----------------------------------------------------------------------------------------
+
+    def new_stream(self) -> SimStream:
+        stream = SimStream(self, f"side stream {len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self) -> SimStream:
+        return self._current[-1]
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream) -> Iterator[None]:
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
+
+    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
+        self._poll()
+        tensor = torch.empty(shape, dtype=dtype)
+        _poison(tensor)
+        stream = self.current_stream()
+        self._allocations.append(
+            _Allocation(
+                StorageWeakRef(tensor.untyped_storage()),
+                _storage_key(tensor),
+                tensor.numel() * tensor.element_size(),
+                role.split(":")[0],
+                role,
+                stream,
+                stream.issued,
+            )
+        )
+        self._count_bytes()
+        return tensor
+
+    def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
+        stream = self.current_stream()
+        if stream is not self.compute and self._allocation(source) is None:
+            if not stream.waited_on_compute:
+                self._fail(
+                    f"{role}: copying a tensor the compute stream produced on {stream.name}, which has not waited on "
+                    "the compute stream since its last such copy; on a device the copy could read the tensor before "
+                    "its kernel has written it (wait_stream(current) before the copy)"
+                )
+            stream.waited_on_compute = False
+        self._enqueue(host, source, role)
+
+    def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
+        out = self.empty(host.shape, host.dtype, role)
+        self._enqueue(out, host, role)
+        return out
+
+    def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
+        self._poll()
+        stream = self.current_stream()
+        if stream is self.compute:
+            dst.copy_(src)
+            return
+        self._check_order(stream, dst, src, role)
+        self._raise_errors()
+        _poison(dst)  # until the copy runs
+        # The copy holds tensors of its own on the same memory, so that the transfer code's references can be told
+        # apart from the simulator's (the storage's use count).
+        stream.queue.append(_Copy(dst.detach(), src.detach(), role, stream._next()))
+        in_flight = len(stream.pending_copies())
+        self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], in_flight)
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        allocation = self._allocation(tensor)
+        if allocation is not None and stream is self.compute:
+            allocation.recorded_to_compute = True
+
+    def recorded_to_compute(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory, allocated on a side stream, was ``record_stream``'d to the compute stream.
+
+        The simulator cannot see a missing ``record_stream`` by itself (its compute stream has finished with a
+        tensor before any of its memory could be reused); tests ask this of what the engines hand to compute.
+        """
+        allocation = self._allocation(tensor)
+        return allocation is not None and allocation.recorded_to_compute
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)  # host memory is host memory here
+
+    def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer
+
+    # -- the device's side of things ----------------------------------------------------------------------
+
+    def _run(self, copy: _Copy) -> None:
+        copy.dst.copy_(copy.src)
+        self._stats.copies += 1
+
+    def _check_order(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
+        """A copy on ``stream`` must come after every pending copy on another stream that writes what it touches
+        or reads what it writes."""
+        dst_key, src_key = _storage_key(dst), _storage_key(src)
+        for other in self.streams:
+            if other is stream:
+                continue
+            for pending in other.pending_copies():
+                if pending.seq <= stream.after.get(other, 0):
+                    continue
+                writes = _storage_key(pending.dst)
+                conflict = writes in (dst_key, src_key) or _storage_key(pending.src) == dst_key
+                if conflict:
+                    self._fail(
+                        f"{role}: issued on {stream.name} while a copy on {other.name} ({pending.role}) still uses the "
+                        "same memory, without waiting for it (wait_event/wait_stream)"
+                    )
+
+    def _poll(self) -> None:
+        """Find memory the transfer code gave up: under a pending copy (an error), or device memory to count
+        down."""
+        for stream in self.streams:
+            for pending in stream.pending_copies():
+                if pending.reported:
+                    continue
+                for tensor, what in ((pending.src, "source"), (pending.dst, "destination")):
+                    # the simulator's own references: the tensors its pending copies hold on that memory
+                    held = sum(
+                        _storage_key(t) == _storage_key(tensor)
+                        for s in self.streams
+                        for p in s.pending_copies()
+                        for t in (p.src, p.dst)
+                    )
+                    if _use_count(tensor) <= held and not self._allocated_on(tensor, stream):
+                        pending.reported = True
+                        self._fail(
+                            f"the {what} of a pending copy ({pending.role}) on {stream.name} was released before the "
+                            "copy ran (its last reference dropped): on a device the copy would touch freed memory"
+                        )
+        for allocation in list(self._allocations):
+            if allocation.freed_at is None and allocation.storage.expired():
+                # Memory record_stream'd to the compute stream is reusable once compute has passed the free; other
+                # memory at once (the allocator reuses it in its own stream's order).
+                allocation.freed_at = self.compute._next() if allocation.recorded_to_compute else 0
+            if allocation.freed_at is not None and self.compute.completed >= allocation.freed_at:
+                self._allocations.remove(allocation)
+        self._count_bytes()
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise SimulatedDeviceError("; ".join(errors))
+
+    def _allocated_on(self, tensor: torch.Tensor, stream: SimStream) -> bool:
+        """Device memory allocated on ``stream`` may be freed with work pending on it: the allocator reuses it
+        in stream order."""
+        allocation = self._allocation(tensor)
+        return allocation is not None and allocation.stream is stream
+
+    def _allocation(self, tensor: torch.Tensor) -> Optional[_Allocation]:
+        """The live device allocation that holds ``tensor``'s memory, if the simulator allocated it."""
+        key = _storage_key(tensor)
+        return next((a for a in self._allocations if a.freed_at is None and a.data_ptr == key), None)
+
+    def _count_bytes(self) -> None:
+        held: Dict[str, int] = collections.defaultdict(int)
+        for allocation in self._allocations:
+            held[allocation.kind] += allocation.nbytes
+        for kind, nbytes in held.items():
+            self._stats.peak_bytes[kind] = max(self._stats.peak_bytes[kind], nbytes)
+
+    def _fail(self, message: str) -> None:
+        self._errors.append(message)

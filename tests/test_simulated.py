@@ -1,0 +1,206 @@
+"""The simulated asynchronous device: the hazards it models, and the memory claims of the engines' accelerator
+branch checked on it.
+
+The exactness tests of tests/test_offload.py, tests/test_layer_offload.py and tests/test_selective.py run once
+with ``copy_on_host`` (the synchronous branch) and once on the simulated device (the ``transfer`` fixture, marker
+``simulated``). This module tests the simulator itself, and what only it can measure.
+
+What the simulator cannot model (see lightning_ac/offload/simulated.py): its compute stream is the CPU, so
+(1) a side stream can never read a compute output before it is written: the simulator instead requires a fresh
+``wait_stream(compute)`` before each copy of a compute-produced tensor (``test_copy_of_a_compute_output_needs_a_wait``);
+(2) compute has finished with a tensor before the allocator could reuse its memory, so a missing
+``record_stream`` changes no value: ``test_what_compute_uses_is_recorded_to_its_stream`` checks the calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_training, clone, fit, tiny_model
+from torch import nn
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
+from lightning_ac.offload import TransferEngine
+from lightning_ac.offload.simulated import SimulatedDevice, SimulatedDeviceError
+from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
+
+pytestmark = pytest.mark.simulated
+
+
+# -- the simulator --------------------------------------------------------------------------------------------
+
+
+def test_a_copy_lands_only_when_waited_for():
+    with SimulatedDevice() as sim:
+        side = sim.new_stream()
+        src, dst = torch.arange(4.0), torch.zeros(4)
+        side.wait_stream(sim.current_stream())
+        with sim.use_stream(side):
+            sim.copy_to_host(dst, src, "test copy")
+            done = side.record_event()
+        assert dst.isnan().all(), "poison until the copy runs"
+        assert not done.query()
+        sim.current_stream().wait_event(done)
+        assert torch.equal(dst, src) and done.query()
+
+
+def test_integer_poison_and_synchronize():
+    with SimulatedDevice() as sim:
+        side = sim.new_stream()
+        with sim.use_stream(side):
+            dst = sim.to_device(sim.pinned_empty(32).view(torch.int64).fill_(7), "test copy")
+        assert (dst == -1).all()
+        sim.synchronize()
+        assert (dst == 7).all()
+
+
+def test_a_source_released_under_a_pending_copy_is_an_error():
+    with SimulatedDevice() as sim:
+        side = sim.new_stream()
+        src, dst = torch.randn(8), sim.pinned_empty(32)
+        side.wait_stream(sim.current_stream())
+        with sim.use_stream(side):
+            sim.copy_to_host(dst.view(torch.float32), src, "host copy of a saved activation")
+        del src  # nothing keeps the device tensor alive until its copy has run
+        with pytest.raises(
+            SimulatedDeviceError, match="source of a pending copy \\(host copy of a saved activation\\)"
+        ):
+            side.record_event()
+        sim.synchronize()
+
+
+def test_memory_written_by_a_pending_copy_on_another_stream_needs_a_wait():
+    with SimulatedDevice() as sim:
+        d2h, h2d = sim.new_stream(), sim.new_stream()
+        host, saved = sim.pinned_empty(16), torch.ones(16, dtype=torch.uint8)
+        d2h.wait_stream(sim.current_stream())
+        with sim.use_stream(d2h):
+            sim.copy_to_host(host, saved, "host copy")
+            written = d2h.record_event()
+        with sim.use_stream(h2d), pytest.raises(SimulatedDeviceError, match="reload.*without waiting"):
+            sim.to_device(host, "reload")
+        h2d.wait_event(written)
+        with sim.use_stream(h2d):
+            back = sim.to_device(host, "reload")
+        sim.current_stream().wait_event(h2d.record_event())
+        assert (back == 1).all()
+
+
+def test_copy_of_a_compute_output_needs_a_wait():
+    with SimulatedDevice() as sim:
+        side = sim.new_stream()
+        saved = torch.ones(16, dtype=torch.uint8)
+        with sim.use_stream(side), pytest.raises(SimulatedDeviceError, match="has not waited on the compute stream"):
+            sim.copy_to_host(sim.pinned_empty(16), saved, "host copy")
+
+
+def test_memory_recorded_to_compute_is_held_until_compute_passes_its_release():
+    with SimulatedDevice() as sim:
+        h2d, host = sim.new_stream(), torch.ones(256)
+        with sim.use_stream(h2d):
+            weights = sim.to_device(host, "layer weights: layer 0")
+            loaded = h2d.record_event()
+        compute = sim.current_stream()
+        compute.wait_event(loaded)
+        sim.record_stream(weights, compute)
+        assert sim.recorded_to_compute(weights)
+        del weights
+        released = compute.record_event()  # the device reaches this point after its last use
+        with sim.use_stream(h2d):
+            sim.to_device(host, "layer weights: layer 1")
+        assert sim.peak_bytes["layer weights"] == 2 * 1024, "the first copy's memory is not reusable yet"
+        released.synchronize()
+        with sim.use_stream(h2d):
+            sim.to_device(host, "layer weights: layer 2")
+        assert sim.peak_bytes["layer weights"] == 2 * 1024
+
+
+# -- the activation transfer engine ---------------------------------------------------------------------------
+
+
+def test_stash_bounds_the_copies_in_flight_and_round_trips_exactly():
+    tensors = [torch.randn(64) for _ in range(10)]
+    with SimulatedDevice() as sim:
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=3)
+        engine.start_step()
+        packed = [engine.pack(t * 1, "all") for t in tensors]  # fresh compute outputs, dropped by the forward
+        out = [engine.unpack(p) for p in reversed(packed)][::-1]
+        engine.finish_step()
+    d2h = sim.streams[0].name
+    assert sim.peak_in_flight[d2h] == 4, "stash_size copies held, plus the one just issued"
+    for a, b in zip(tensors, out):
+        assert torch.equal(a, b)
+
+
+def test_an_edit_racing_the_copy_is_detected():
+    with SimulatedDevice():
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+        engine.start_step()
+        saved = torch.ones(4)
+        packed = engine.pack(saved, "all")
+        saved.mul_(2)  # the compute stream edits it while the copy has not run yet
+        engine.finish_step()
+        with pytest.raises(RuntimeError, match="edited in place while it was being copied"):
+            engine.unpack(packed)
+
+
+def test_what_compute_uses_is_recorded_to_its_stream():
+    with SimulatedDevice() as sim:
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+        engine.start_step()
+        packed = engine.pack(torch.randn(16) * 1, "all")
+        out = engine.unpack(packed)
+        assert sim.recorded_to_compute(out), "reloaded bytes used by compute: record_stream(compute)"
+        engine.finish_step()
+
+        blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).requires_grad_(False)
+        streamer = LayerWeightStreamer(list(blocks), frozen_layer_parameters(list(blocks)), torch.device("cpu"))
+        streamer.install()
+        seen = []
+        blocks[1].register_forward_pre_hook(lambda m, a: seen.append(sim.recorded_to_compute(m.weight)))
+        blocks(torch.randn(2, 8))
+        streamer.close()
+    assert seen == [True], "a layer's device copies used by compute: record_stream(compute)"
+
+
+@pytest.mark.parametrize("offload", [{"hidden_states": "cpu"}, {"all": "cpu", "min_offload_bytes": 0}])
+def test_gradient_accumulation(offload, transfer):
+    base = tiny_model("llama", lora=True)
+    reference = fit(clone(base), max_steps=2, accumulate_grad_batches=2)
+    checkpointing = [ActivationCheckpointing()] if "hidden_states" in offload else []
+    run = fit(clone(base), [*checkpointing, ActivationOffload(copy_on_host=True, **offload)], max_steps=2,
+              accumulate_grad_batches=2)  # fmt: skip
+    assert_same_training(reference, run)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_sliding_window_families_with_offloaded_selective_saves(family, transfer):
+    base = tiny_model(family, lora=True)
+    reference = fit(clone(base), max_steps=2)
+    offload = ActivationOffload(hidden_states="cpu", selective="cpu", copy_on_host=True)
+    run = fit(clone(base), [ActivationCheckpointing(selective=True), offload], max_steps=2)
+    assert_same_training(reference, run)
+
+
+# -- layer offloading: two layers at most, however far the CPU runs ahead -------------------------------------
+
+
+def _layer_bytes(model: nn.Module) -> int:
+    layer = model.base_model.model.model.layers[0]
+    return sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "others",
+    [[], [ActivationCheckpointing], [lambda: ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)]],
+    ids=["alone", "checkpointed", "offload_all"],
+)
+def test_layer_offload_holds_two_layers_on_the_device(others):
+    """The simulated device never catches up on its own (the CPU runs ahead as far as it can): the weights on
+    the device still stay at two layers, because each copy waits for the release the device must pass first."""
+    base = tiny_model("llama", lora=True, num_hidden_layers=8)
+    reference = fit(clone(base), max_steps=2)
+    with SimulatedDevice() as sim:
+        run = fit(clone(base), [make() for make in others] + [LayerOffload(copy_on_host=True)], max_steps=2)
+    assert_same_training(reference, run)
+    assert sim.peak_bytes["layer weights"] == 2 * _layer_bytes(base)
