@@ -1,4 +1,4 @@
-"""Sessions: tests (default), lint, train, slow, gpu, bench. `nox -l` lists them."""
+"""Sessions: tests (default), lint, train, slow, gpu, bench, mutants. `nox -l` lists them."""
 
 import nox
 
@@ -33,6 +33,13 @@ def gpu(session: nox.Session) -> None:
     """Tests that need CUDA. Installs the torch already present when run with --no-venv on a GPU machine."""
     session.install("-e", ".[tests]")
     session.run("pytest", "-m", "gpu", *session.posargs)
+
+
+@nox.session(default=False)
+def mutants(session: nox.Session) -> None:
+    """Remove each synchronisation point of the copy engines in turn; every mutant must fail a simulated test."""
+    _install(session)
+    session.run("python", "tests/mutants.py", *session.posargs)
 
 
 @nox.session(default=False)

@@ -225,7 +225,8 @@ class ActivationOffload(SuiteCallback):
 
     Attributes:
         last_step: ``{"hidden_states": {"tensors": n, "bytes": n}, "selective": {...}, "all": {...}}`` for the
-            most recent training step. The same figures are logged as ``lightning_ac/offload_bytes`` and
+            most recent optimizer step (Lightning's step: every micro-batch under gradient accumulation). The
+            same figures are logged, once per optimizer step, as ``lightning_ac/offload_bytes`` and
             ``lightning_ac/offload_<target>_bytes``.
     """
 
@@ -250,8 +251,9 @@ class ActivationOffload(SuiteCallback):
             host_reserve_bytes=host_reserve_bytes,
         )
         self._init_output(verbose, prog_bar)
-        self.last_step: Dict[str, Dict[str, int]] = {t: {"tensors": 0, "bytes": 0} for t in OFFLOAD_TARGETS}
+        self.last_step: Dict[str, Dict[str, int]] = _no_transfers()
         self._reported_host_use = False
+        self._step = _OptimizerStep()
 
     @property
     def offload(self) -> OffloadConfig:
@@ -281,6 +283,7 @@ class ActivationOffload(SuiteCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reported_host_use = False
+        self._step = _OptimizerStep()
         super().setup(trainer, pl_module, stage)
 
     def on_train_batch_start(
@@ -288,6 +291,8 @@ class ActivationOffload(SuiteCallback):
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._plan is not None and self._plan.activation_offload is not None:
+            if self._step.begin(trainer):
+                self._totals = _no_transfers()
             self._plan.activation_offload.start_step()
 
     def on_train_batch_end(
@@ -298,7 +303,12 @@ class ActivationOffload(SuiteCallback):
         if runtime is None:
             return
         runtime.finish_step()
-        self.last_step = runtime.last_step
+        for target, moved in runtime.last_step.items():
+            for key, value in moved.items():
+                self._totals[target][key] += value
+        if not self._step.done(trainer):
+            return  # gradient accumulation: more micro-batches of this optimizer step follow
+        self.last_step = self._totals
         total = sum(v["bytes"] for v in self.last_step.values())
         if not self._reported_host_use:
             self._reported_host_use = True
@@ -345,9 +355,10 @@ class LayerOffload(SuiteCallback):
         prog_bar: Show ``lightning_ac/layer_offload_bytes`` in the progress bar.
 
     Attributes:
-        last_step: ``{"loads": n, "bytes": n, "max_resident_layers": n}`` for the most recent training step:
-            layer copies to the device, bytes copied, and the most layers on the device at once. ``bytes`` is
-            also logged as ``lightning_ac/layer_offload_bytes``.
+        last_step: ``{"loads": n, "bytes": n, "max_resident_layers": n}`` for the most recent optimizer step
+            (every micro-batch under gradient accumulation): layer copies to the device, bytes copied, and the
+            most layers on the device at once. ``bytes`` is also logged, once per optimizer step, as
+            ``lightning_ac/layer_offload_bytes``.
         host_bytes: Bytes of parameters held in host memory.
 
     Raises:
@@ -369,6 +380,7 @@ class LayerOffload(SuiteCallback):
         self._init_output(verbose, prog_bar)
         self.last_step: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
         self.host_bytes = 0
+        self._step = _OptimizerStep()
 
     @property
     def layers(self) -> Optional[List[LayerSpec]]:
@@ -384,6 +396,8 @@ class LayerOffload(SuiteCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         streamer = self._plan.weight_streamer if self._plan is not None else None
         if streamer is not None:
+            if self._step.begin(trainer):
+                self._totals = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
             streamer.start_step()
 
     def on_train_batch_end(
@@ -393,12 +407,44 @@ class LayerOffload(SuiteCallback):
         streamer = self._plan.weight_streamer if self._plan is not None else None
         if streamer is None:
             return
-        self.last_step = dict(streamer.stats)
+        stats = streamer.stats
+        self._totals["loads"] += stats["loads"]
+        self._totals["bytes"] += stats["bytes"]
+        self._totals["max_resident_layers"] = max(self._totals["max_resident_layers"], stats["max_resident_layers"])
         self.host_bytes = streamer.host_bytes
+        if not self._step.done(trainer):
+            return  # gradient accumulation: more micro-batches of this optimizer step follow
+        self.last_step = self._totals
         pl_module.log(
             "lightning_ac/layer_offload_bytes", float(self.last_step["bytes"]),
             on_step=True, on_epoch=False, batch_size=1, prog_bar=self.prog_bar,
         )  # fmt: skip
+
+
+def _no_transfers() -> Dict[str, Dict[str, int]]:
+    return {t: {"tensors": 0, "bytes": 0} for t in OFFLOAD_TARGETS}
+
+
+class _OptimizerStep:
+    """Which micro-batches make up one optimizer step (Lightning's step: ``global_step``, the logger's x-axis).
+
+    ``global_step`` counts optimizer steps: it stays the same over the micro-batches of one step under gradient
+    accumulation and has moved on by the end of the micro-batch that stepped.
+    """
+
+    def __init__(self) -> None:
+        self.global_step: Optional[int] = None
+
+    def begin(self, trainer: pl.Trainer) -> bool:
+        """At a micro-batch's start: whether it is the first of a new optimizer step."""
+        if trainer.global_step == self.global_step:
+            return False
+        self.global_step = trainer.global_step
+        return True
+
+    def done(self, trainer: pl.Trainer) -> bool:
+        """At a micro-batch's end: whether the optimizer stepped, so the optimizer step is complete."""
+        return trainer.global_step != self.global_step
 
 
 def callbacks_from_config(

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["DecoderLayers", "LayerSpec", "compiled_layers", "find_decoder_layers"]
+__all__ = ["DecoderLayers", "LayerSpec", "compiled_layers", "describe_compiled", "find_decoder_layers"]
 
 LayerSpec = Union[str, Type[nn.Module]]
 
@@ -48,14 +48,42 @@ class DecoderLayers:
         return [h for h in heads if h is not None]
 
 
-def compiled_layers(layers: Sequence[nn.Module]) -> List[int]:
-    """Indices of layers compiled with ``torch.compile`` (as a module, or via ``module.compile()``)."""
-    found = []
-    for index, layer in enumerate(layers):
-        compiled_module = type(layer).__name__ == "OptimizedModule" or hasattr(layer, "_orig_mod")
-        if compiled_module or getattr(layer, "_compiled_call_impl", None) is not None:
-            found.append(index)
-    return found
+def _is_compiled(module: nn.Module) -> bool:
+    """``torch.compile(module)`` (an OptimizedModule) or ``module.compile()``."""
+    compiled_module = type(module).__name__ == "OptimizedModule" or hasattr(module, "_orig_mod")
+    return compiled_module or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_layers(root: nn.Module, layers: DecoderLayers) -> Tuple[List[int], List[str]]:
+    """What ``torch.compile`` wraps around the decoder layers of ``root``.
+
+    Returns:
+        The indices of compiled layers (compiled themselves, or replaced by a compiled wrapper, torchtitan's
+        way: ``layers[i] = torch.compile(layers[i])``), and the names of compiled modules above them (the whole
+        model: ``torch.compile(model)``, ``model.compile()``; ``""`` is ``root`` itself).
+    """
+    indices, above = [], []
+    for index, (name, layer) in enumerate(layers.layers):
+        parts = name.split(".") if name else []
+        if parts and parts[-1] == "_orig_mod":  # the layer is the inside of a per-layer compiled wrapper
+            parts = parts[:-1]
+        if _is_compiled(layer) or _is_compiled(root.get_submodule(".".join(parts))):
+            indices.append(index)
+        for depth in range(len(parts)):
+            prefix = ".".join(parts[:depth])
+            if prefix not in above and _is_compiled(root.get_submodule(prefix)):
+                above.append(prefix)
+    return indices, above
+
+
+def describe_compiled(indices: Sequence[int], above: Sequence[str]) -> Optional[str]:
+    """What :func:`compiled_layers` found, as an error message's subject; ``None`` when nothing is compiled."""
+    if above:
+        names = ", ".join(repr(name) if name else "the module given to the Trainer" for name in above)
+        return f"the model around the decoder layers ({names}) is compiled with torch.compile"
+    if indices:
+        return f"decoder layers {list(indices)} are compiled with torch.compile"
+    return None
 
 
 def _hf_classes():

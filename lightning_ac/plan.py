@@ -32,7 +32,7 @@ from lightning_ac.config import (
     merge_requests,
 )
 from lightning_ac.journal import ModuleJournal
-from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
+from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 from lightning_ac.report import LayerRow
@@ -258,13 +258,13 @@ class Plan:
 
     def _install_weight_streamer(self, modules: List[nn.Module]) -> None:
         assert self.device is not None and self.layer_offload_request is not None
-        compiled = compiled_layers(modules)
+        compiled = describe_compiled(*compiled_layers(self.module, self.layers))
         if compiled:
             raise ConfigError(
-                f"layer_offloading: decoder layers {compiled} are compiled with torch.compile, but layer offloading "
-                "swaps each parameter's data between host and device memory around every call, which compiled "
-                "graphs are not built for (they guard on devices and addresses). Set layer_offloading: false, or "
-                "leave the decoder layers uncompiled."
+                f"layer_offloading: {compiled}, but layer offloading swaps each parameter's data between host and "
+                "device memory around every call, which compiled graphs are not built for (they guard on devices and "
+                "addresses, and a graph compiled earlier skips the streaming hooks). Set layer_offloading: false, or "
+                "leave the model and its decoder layers uncompiled."
             )
         params = frozen_layer_parameters(modules)
         if not any(params):

@@ -413,6 +413,33 @@ def test_compiled_layers_are_refused(lora_llama):
         make_trainer([layer_offload()]).fit(LM(model), batches())
 
 
+def _compile_model(model: nn.Module) -> nn.Module:
+    model.compile()
+    return model
+
+
+def _compile_each_layer(model: nn.Module) -> nn.Module:
+    layers = model.base_model.model.model.layers
+    for i in range(len(layers)):
+        layers[i] = torch.compile(layers[i])  # torchtitan's way: the layer list holds compiled wrappers
+    return model
+
+
+@pytest.mark.parametrize(
+    "compile_it, match",
+    [
+        (_compile_model, r"the model around the decoder layers \('model'\) is compiled"),
+        (torch.compile, r"the model around the decoder layers \('model'\) is compiled"),
+        (_compile_each_layer, r"decoder layers \[0, 1, 2, 3\] are compiled"),
+    ],
+    ids=["model.compile", "torch.compile(model)", "per-layer wrappers"],
+)
+def test_compiled_models_are_refused(lora_llama, compile_it, match):
+    """A compiled graph would skip the streaming hooks while the log says the weights are streamed."""
+    with pytest.raises(ConfigError, match="layer_offloading: " + match):
+        make_trainer([layer_offload()]).fit(LM(compile_it(clone(lora_llama))), batches())
+
+
 def test_nothing_frozen_is_a_config_error():
     module = LM(tiny_model("llama"))
     with pytest.raises(ConfigError, match="all 4 layers train every parameter.*LoRA"):
@@ -453,3 +480,12 @@ def test_one_log_line_says_what_moved(lora_llama, caplog):
     lines = [r.getMessage() for r in caplog.records if "layer offloading" in r.getMessage()]
     assert len(lines) == 1
     assert "frozen parameters of 4/4 decoder layers (0.6 MiB) live in host memory" in lines[0]
+
+
+def test_last_step_covers_the_optimizer_step_under_accumulation(lora_llama):
+    callback = layer_offload()
+    trainer = make_trainer([callback], max_steps=1, accumulate_grad_batches=2)
+    trainer.fit(LM(clone(lora_llama)), batches())
+    frozen = frozen_layer_bytes(lora_llama)
+    assert callback.last_step == {"loads": 4 * LAYERS, "bytes": 4 * frozen, "max_resident_layers": 2}
+    assert trainer.callback_metrics["lightning_ac/layer_offload_bytes"] == 4 * frozen

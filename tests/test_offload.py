@@ -389,3 +389,13 @@ def test_offload_bytes_in_the_progress_bar_when_asked(llama_reference):
         )
         trainer.fit(module, batches())
         assert ("lightning_ac/offload_bytes" in trainer.progress_bar_metrics) is prog_bar
+
+
+def test_last_step_covers_the_optimizer_step_under_accumulation(llama_reference):
+    """Lightning's step is the optimizer step: with two micro-batches per step, twice the layer inputs move."""
+    base, _ = llama_reference
+    callback = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    trainer = make_trainer([ActivationCheckpointing(), callback], max_steps=1, accumulate_grad_batches=2)
+    trainer.fit(LM(clone(base)), batches())
+    assert callback.last_step["hidden_states"] == {"tensors": 8, "bytes": 8 * LAYER_INPUT_BYTES}
+    assert trainer.callback_metrics["lightning_ac/offload_bytes"] == 8 * LAYER_INPUT_BYTES

@@ -320,6 +320,17 @@ def test_compiled_layers_are_refused(llama):
     assert not any(layer.gradient_checkpointing for layer in llama.model.layers)
 
 
+@pytest.mark.parametrize("wrap", ["method", "function"])
+def test_compiled_models_are_refused(llama, wrap):
+    """Whole-model compilation crashed at step 1 (InternalTorchDynamoError); now it is refused before training."""
+    if wrap == "method":
+        llama.compile()
+    else:
+        llama = torch.compile(llama)
+    with pytest.raises(ConfigError, match=r"selective: the model around the decoder layers .* is compiled.*eager"):
+        make_trainer([ActivationCheckpointing(selective=True)]).fit(LM(llama), batches())
+
+
 def test_apply_selective_checkpointing_on_transformers_checkpointing():
     base = tiny_model("llama")
     reference = fit(clone(base))

@@ -204,3 +204,23 @@ def test_layer_offload_holds_two_layers_on_the_device(others):
         run = fit(clone(base), [make() for make in others] + [LayerOffload(copy_on_host=True)], max_steps=2)
     assert_same_training(reference, run)
     assert sim.peak_bytes["layer weights"] == 2 * _layer_bytes(base)
+
+
+def test_closing_after_an_exception_waits_for_the_copies_in_flight():
+    """An exception between layers leaves the next layer's copy in flight; close() must let it finish before it
+    gives the host buffers up (on CUDA: before cudaHostUnregister and freeing memory a DMA still reads)."""
+    blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).requires_grad_(False)
+    expected = [b.weight.detach().clone() for b in blocks]
+
+    def boom(module, args, output):
+        raise RuntimeError("boom")
+
+    with SimulatedDevice():
+        streamer = LayerWeightStreamer(list(blocks), frozen_layer_parameters(list(blocks)), torch.device("cpu"))
+        streamer.install()
+        blocks[0].register_forward_hook(boom)  # after the streamer's post hook, which started loading block 1
+        with pytest.raises(RuntimeError, match="boom"):
+            blocks(torch.randn(2, 8))
+        streamer.close()
+    for block, weight in zip(blocks, expected):
+        assert torch.equal(block.weight, weight)

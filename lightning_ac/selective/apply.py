@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
-from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
+from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
 
 __all__ = ["apply_selective_checkpointing", "build_policy"]
@@ -33,12 +33,12 @@ def build_policy(
 ) -> SelectivePolicy:
     """A policy for the decoder layers of ``root``; raises ``ConfigError`` for compiled layers."""
     modules = [m for _, m in layers.layers]
-    compiled = compiled_layers(modules)
+    compiled = describe_compiled(*compiled_layers(root, layers))
     if compiled:
         raise ConfigError(
-            f"activation_checkpointing.selective: decoder layers {compiled} are compiled with torch.compile, but "
-            "selective checkpointing here runs eagerly (torch's selective-checkpoint policy API). Compile after "
-            "training setup without selective, or remove selective to recompute whole layers."
+            f"activation_checkpointing.selective: {compiled}, but selective checkpointing runs eagerly (torch's "
+            "selective-checkpoint policy API) and a compiled graph skips its policy (torch raises at the first step). "
+            "Compile after training setup without selective, or remove selective to recompute whole layers."
         )
     count = sum(checkpointed) if checkpointed is not None else len(modules)
     return SelectivePolicy(
