@@ -28,11 +28,17 @@ class DecoderLayers:
             plain torch layers selected with ``layers=``).
         layer_types: Per-layer attention type (``full_attention``, ``sliding_attention``...) where the model
             publishes one, else ``None`` entries.
+        owners: Per layer, the index in ``hf_models`` of the model it belongs to (``0`` for plain torch layers).
     """
 
     layers: List[Tuple[str, nn.Module]]
     hf_models: List[nn.Module] = field(default_factory=list)
     layer_types: List[Optional[str]] = field(default_factory=list)
+    owners: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            self.owners = [0] * len(self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -144,7 +150,7 @@ def find_decoder_layers(root: nn.Module, layers: Optional[Sequence[LayerSpec]] =
             name == outer or name.startswith(outer + ".") or outer == "" for outer, _ in models
         ):
             models.append((name, module))
-    found, owners, types = [], [], []
+    found, owners, types, owner_of = [], [], [], []
     for prefix, model in models:
         model_layers = [
             (f"{prefix}.{n}" if prefix and n else prefix or n, m)
@@ -153,7 +159,8 @@ def find_decoder_layers(root: nn.Module, layers: Optional[Sequence[LayerSpec]] =
         ]
         if not model_layers:
             continue
+        owner_of.extend([len(owners)] * len(model_layers))
         owners.append(model)
         found.extend(model_layers)
         types.extend(_layer_types(model, len(model_layers)))
-    return DecoderLayers(found, owners, types)
+    return DecoderLayers(found, owners, types, owner_of)

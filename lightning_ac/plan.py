@@ -279,6 +279,7 @@ class Plan:
             self.device,
             copy_on_host=self.layer_offload_request.copy_on_host,
             host_reserve_bytes=self.layer_offload_request.host_reserve_bytes,
+            groups=self.layers.owners if self.layers is not None else None,
         )
         self.weight_streamer.install()
 

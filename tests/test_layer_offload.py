@@ -489,3 +489,51 @@ def test_last_step_covers_the_optimizer_step_under_accumulation(lora_llama):
     frozen = frozen_layer_bytes(lora_llama)
     assert callback.last_step == {"loads": 4 * LAYERS, "bytes": 4 * frozen, "max_resident_layers": 2}
     assert trainer.callback_metrics["lightning_ac/layer_offload_bytes"] == 4 * frozen
+
+
+class TwoForwards(LM):
+    """DPO-style: the policy runs twice (chosen, rejected) before one backward."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        half = ids.shape[0] // 2
+        loss = (
+            self.model(input_ids=ids[:half], labels=ids[:half]).loss
+            + self.model(input_ids=ids[half:], labels=ids[half:]).loss
+        )
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+class WithReference(LM):
+    """A policy and a frozen reference model (no gradient) inside one module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.reference = tiny_model("llama", seed=1).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        with torch.no_grad():
+            reference_loss = self.reference(input_ids=ids, labels=ids).loss
+        loss = self.model(input_ids=ids, labels=ids).loss - reference_loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+@pytest.mark.parametrize("module_cls", [TwoForwards, WithReference], ids=["two_forwards", "policy_and_reference"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_multi_forward_steps_keep_two_layers(lora_llama, module_cls, checkpointing, transfer):
+    reference = fit(clone(lora_llama), max_steps=2, module_cls=module_cls)
+    callback = layer_offload()
+    others = [ActivationCheckpointing()] if checkpointing else []
+    run = fit(clone(lora_llama), [*others, callback], max_steps=2, module_cls=module_cls)
+    assert_same_training(reference, run)
+    assert callback.last_step["max_resident_layers"] == 2
+    if transfer is not None:  # on the simulated device: the bytes on the device, not just the layers counted
+        layer = sum(p.numel() * p.element_size() for p in lora_llama.base_model.model.model.layers[0].parameters())
+        frozen_layer = layer - sum(
+            p.numel() * p.element_size() for p in lora_llama.base_model.model.model.layers[0].parameters()
+            if p.requires_grad
+        )  # fmt: skip
+        assert transfer.peak_bytes["layer weights"] <= 2 * frozen_layer

@@ -90,6 +90,8 @@ class LayerWeightStreamer:
         copy_on_host: On a CPU device, run the same path with separate host tensors (tests, debugging).
         host_reserve_bytes: Host memory left free: needing more raises :class:`HostMemoryError` at the first
             forward instead of letting the OOM killer end the run.
+        groups: For each layer, the model it belongs to (a policy and a frozen reference model in one module):
+            layers are prefetched only within their model, whose layers run in order. ``None``: one model.
 
     Attributes:
         stats: This step's ``loads`` (layer copies to the device), ``bytes`` copied, and
@@ -104,12 +106,14 @@ class LayerWeightStreamer:
         device: torch.device,
         copy_on_host: bool = False,
         host_reserve_bytes: int = 2 * 2**30,
+        groups: Optional[Sequence[int]] = None,
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
         self.copy_on_host = copy_on_host
         self.host_reserve_bytes = host_reserve_bytes
         self.modules = list(layers)
+        self.groups = list(groups) if groups is not None else [0] * len(self.modules)
         self.layers = [_Layer(i, list(ps)) for i, ps in enumerate(params)]
         self._async = async_device(self.device)  # None: copies are synchronous (CPU copy_on_host, MPS)
         self._streams = DeviceStreams(self._async) if self._async is not None else None
@@ -386,8 +390,9 @@ class LayerWeightStreamer:
             self._release(layer)
             # The next layer's copy runs while the device computes this one, which may still use this layer's
             # memory: one release may stay pending.
-            if layer.index + 1 < len(self.layers):
-                self._load(self.layers[layer.index + 1], pending_releases=1)
+            nxt = self._neighbour(layer, +1)
+            if nxt is not None:
+                self._load(nxt, pending_releases=1)
 
         return post_hook
 
@@ -397,13 +402,25 @@ class LayerWeightStreamer:
         if task != self._backward_task:  # once per backward pass, even after one that raised
             self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._release_all)
+        # Done: the layers after this one, and any other layer still loaded (the end of another forward's chain
+        # when a step ran the layers more than once before backward); the layer before stays if it is already
+        # loaded (a recompute reaches this layer a second time).
+        before = self._neighbour(layer, -1)
+        for other in self.layers:
+            if other is not layer and other is not before:
+                self._release(other)
         self._use(layer)
-        for later in self.layers[layer.index + 1 :]:
-            self._release(later)
-        if layer.index > 0:
+        if before is not None:
             # Backward loads the layer before while it still holds this one: the device must be done with the
-            # layers after it.
-            self._load(self.layers[layer.index - 1], pending_releases=0)
+            # layers released above.
+            self._load(before, pending_releases=0)
+
+    def _neighbour(self, layer: _Layer, step: int) -> Optional[_Layer]:
+        """The layer that runs after (``step=+1``) or before (``-1``) this one within its model, if any."""
+        index = layer.index + step
+        if 0 <= index < len(self.layers) and self.groups[index] == self.groups[layer.index]:
+            return self.layers[index]
+        return None
 
     def _saved_tensor_hooks(self) -> Tuple[Any, Any]:
         """Saved-tensor hooks for a layer's call: views of loaded parameters are kept as references,
