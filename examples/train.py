@@ -87,6 +87,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     callbacks = callbacks_from_config(
         block,
         layer_offloading=data.get("layer_offloading", False),
+        layer_offloading_resident_layers=data.get("layer_offloading_resident_layers", 0),
         copy_on_host=data.get("offload_copy_on_host", False),
         verbose=data.get("report", False),
     )

@@ -351,14 +351,17 @@ class LayerOffload(SuiteCallback):
             trainer is a :class:`ConfigError`: the parameters already live in host memory there.
         host_reserve_bytes: Host memory left free: if the frozen weights need more, the first forward raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of meeting the OOM killer.
+        resident_layers: Keep the frozen weights of the last ``k`` decoder layers (of each model) on the device
+            for the whole run: they run last in forward and first in backward, so each saves two loads per step
+            for one layer of device memory.
         verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
         prog_bar: Show ``lightning_ac/layer_offload_bytes`` in the progress bar.
 
     Attributes:
         last_step: ``{"loads": n, "bytes": n, "max_resident_layers": n}`` for the most recent optimizer step
             (every micro-batch under gradient accumulation): layer copies to the device, bytes copied, and the
-            most layers on the device at once. ``bytes`` is also logged, once per optimizer step, as
-            ``lightning_ac/layer_offload_bytes``.
+            most streamed layers on the device at once (resident layers not counted). ``bytes`` is also logged,
+            once per optimizer step, as ``lightning_ac/layer_offload_bytes``.
         host_bytes: Bytes of parameters held in host memory.
 
     Raises:
@@ -373,10 +376,13 @@ class LayerOffload(SuiteCallback):
         layers: Optional[Sequence[LayerSpec]] = None,
         copy_on_host: bool = False,
         host_reserve_bytes: int = 2 * 2**30,
+        resident_layers: int = 0,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.request = LayerOffloadRequest(layers, copy_on_host=copy_on_host, host_reserve_bytes=host_reserve_bytes)
+        self.request = LayerOffloadRequest(
+            layers, copy_on_host=copy_on_host, host_reserve_bytes=host_reserve_bytes, resident_layers=resident_layers
+        )
         self._init_output(verbose, prog_bar)
         self.last_step: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
         self.host_bytes = 0
@@ -448,7 +454,12 @@ class _OptimizerStep:
 
 
 def callbacks_from_config(
-    block: Any, *, layer_offloading: bool = False, copy_on_host: bool = False, verbose: bool = False
+    block: Any,
+    *,
+    layer_offloading: bool = False,
+    layer_offloading_resident_layers: int = 0,
+    copy_on_host: bool = False,
+    verbose: bool = False,
 ) -> List[Callback]:
     """Build the suite callbacks an ``activation_checkpointing`` block asks for.
 
@@ -456,6 +467,8 @@ def callbacks_from_config(
         block: The block in any form :func:`~lightning_ac.parse_config` accepts (a block it returned is not
             validated again).
         layer_offloading: The separate ``layer_offloading`` key.
+        layer_offloading_resident_layers: :class:`LayerOffload`'s ``resident_layers`` (Hydra:
+            ``layer_offloading_resident_layers``).
         copy_on_host: Passed to :class:`ActivationOffload` and :class:`LayerOffload`: run the offload copies on a
             CPU-only trainer too.
         verbose: Print the per-layer table at fit start.
@@ -484,5 +497,7 @@ def callbacks_from_config(
             )
         )
     if layer_offloading:
-        callbacks.append(LayerOffload(copy_on_host=copy_on_host, verbose=verbose))
+        callbacks.append(
+            LayerOffload(copy_on_host=copy_on_host, resident_layers=layer_offloading_resident_layers, verbose=verbose)
+        )
     return callbacks

@@ -563,17 +563,24 @@ class LayerOffloadRequest:
         layers: Layer classes or module-name globs, ``None`` to find transformers layers.
         copy_on_host: On a CPU device, run the copies anyway (tests, debugging).
         host_reserve_bytes: Host memory left free.
+        resident_layers: The last decoder layers (of each model) whose frozen weights stay on the device.
     """
 
     layers: Optional[List[LayerSpec]] = None
     copy_on_host: bool = False
     host_reserve_bytes: int = 2 * 2**30
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         where = "LayerOffload"
         self.layers = parse_layers(self.layers, f"{where}(layers=...)")
         self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
         parse_count(self.host_reserve_bytes, f"{where}(host_reserve_bytes=...)")
+        parse_count(
+            self.resident_layers,
+            f"{where}(resident_layers=...)",
+            fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
+        )
 
 
 def merge_requests(

@@ -267,6 +267,14 @@ class Plan:
                 "leave the model and its decoder layers uncompiled."
             )
         params = frozen_layer_parameters(modules)
+        resident = self._resident_layers()
+        params = [[] if keep else p for p, keep in zip(params, resident)]
+        if not any(params) and any(resident):
+            raise ConfigError(
+                f"LayerOffload(resident_layers={self.layer_offload_request.resident_layers}) keeps every one of the "
+                f"{len(modules)} decoder layers on the device, so nothing is offloaded. Use fewer resident layers, "
+                "or set layer_offloading: false."
+            )
         if not any(params):
             raise ConfigError(
                 f"layer_offloading: true streams the frozen parameters of the decoder layers, but all "
@@ -280,8 +288,16 @@ class Plan:
             copy_on_host=self.layer_offload_request.copy_on_host,
             host_reserve_bytes=self.layer_offload_request.host_reserve_bytes,
             groups=self.layers.owners if self.layers is not None else None,
+            resident=resident,
         )
         self.weight_streamer.install()
+
+    def _resident_layers(self) -> List[bool]:
+        """For each decoder layer, whether it is among the last ``resident_layers`` of its model."""
+        assert self.layers is not None and self.layer_offload_request is not None
+        k = self.layer_offload_request.resident_layers
+        owners = self.layers.owners
+        return [k > 0 and owners[i + 1 :].count(owners[i]) < k for i in range(len(owners))]
 
     def _log_weight_streamer(self) -> None:
         streamer = self.weight_streamer

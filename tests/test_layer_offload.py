@@ -453,6 +453,8 @@ def test_nothing_frozen_is_a_config_error():
         ({"copy_on_host": "yes"}, "copy_on_host"),
         ({"layers": "model.layers.*"}, "layers"),
         ({"host_reserve_bytes": -1}, "host_reserve_bytes"),
+        ({"resident_layers": -1}, r"resident_layers=\.\.\.\): expected an integer >= 0"),
+        ({"resident_layers": True}, "resident_layers"),
     ],
 )
 def test_argument_checks_in_init(kwargs, match):
@@ -537,3 +539,33 @@ def test_multi_forward_steps_keep_two_layers(lora_llama, module_cls, checkpointi
             if p.requires_grad
         )  # fmt: skip
         assert transfer.peak_bytes["layer weights"] <= 2 * frozen_layer
+
+
+def test_resident_layers_stay_on_the_device(lora_llama, lora_reference, transfer):
+    """The last layer's frozen weights stay put: two loads fewer per step, exact all the same."""
+    callback = layer_offload(resident_layers=1, verbose=True)
+    seen = {}
+
+    class Grab(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seen["rows"] = callback.plan.layer_rows()
+
+    run = fit(clone(lora_llama), [ActivationCheckpointing(), callback, Grab()], max_steps=2)
+    assert_same_training(lora_reference, run)
+    per_layer = frozen_layer_bytes(lora_llama) // LAYERS
+    assert callback.last_step == {"loads": 2 * (LAYERS - 1), "bytes": 2 * (LAYERS - 1) * per_layer,
+                                  "max_resident_layers": 2}  # fmt: skip
+    assert callback.host_bytes == (LAYERS - 1) * per_layer
+    assert [row.offloaded.endswith("resident on the device") for row in seen["rows"]] == [False] * 3 + [True]
+
+
+def test_resident_layers_must_leave_something_to_stream(lora_llama):
+    with pytest.raises(ConfigError, match=r"resident_layers=4\) keeps every one of the 4 decoder layers"):
+        make_trainer([layer_offload(resident_layers=4)]).fit(LM(clone(lora_llama)), batches())
+
+
+def test_callbacks_from_config_passes_resident_layers():
+    (callback,) = callbacks_from_config(False, layer_offloading=True, layer_offloading_resident_layers=2)
+    assert callback.request.resident_layers == 2
+    with pytest.raises(ConfigError, match="resident_layers"):
+        callbacks_from_config(False, layer_offloading=True, layer_offloading_resident_layers="2")

@@ -92,6 +92,7 @@ class LayerWeightStreamer:
             forward instead of letting the OOM killer end the run.
         groups: For each layer, the model it belongs to (a policy and a frozen reference model in one module):
             layers are prefetched only within their model, whose layers run in order. ``None``: one model.
+        resident: For each layer, whether its frozen weights stay on the device (``params`` empty for it).
 
     Attributes:
         stats: This step's ``loads`` (layer copies to the device), ``bytes`` copied, and
@@ -107,6 +108,7 @@ class LayerWeightStreamer:
         copy_on_host: bool = False,
         host_reserve_bytes: int = 2 * 2**30,
         groups: Optional[Sequence[int]] = None,
+        resident: Optional[Sequence[bool]] = None,
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
@@ -114,6 +116,7 @@ class LayerWeightStreamer:
         self.host_reserve_bytes = host_reserve_bytes
         self.modules = list(layers)
         self.groups = list(groups) if groups is not None else [0] * len(self.modules)
+        self.resident = list(resident) if resident is not None else [False] * len(self.modules)
         self.layers = [_Layer(i, list(ps)) for i, ps in enumerate(params)]
         self._async = async_device(self.device)  # None: copies are synchronous (CPU copy_on_host, MPS)
         self._streams = DeviceStreams(self._async) if self._async is not None else None
@@ -136,13 +139,18 @@ class LayerWeightStreamer:
         """What moves, as the log line says it."""
         with_params = [layer for layer in self.layers if layer.params]
         where = "copies on host" if self.device.type == "cpu" else str(self.device)
+        resident = sum(self.resident)
+        kept = f"; {resident} resident on the device" if resident else ""
         return (
             f"layer offloading: frozen parameters of {len(with_params)}/{len(self.layers)} decoder layers "
-            f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time"
+            f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time{kept}"
         )
 
     def describe_layer(self, index: int) -> Optional[str]:
         """What moves for decoder layer ``index`` (for the per-layer report), ``None`` when nothing does."""
+        if index < len(self.resident) and self.resident[index]:
+            frozen = sum(_nbytes(p) for p in self.modules[index].parameters() if not p.requires_grad)
+            return f"frozen params ({frozen / 2**20:.1f} MiB) resident on the device"
         if index >= len(self.layers) or not self.layers[index].params:
             return None
         frozen = sum(_nbytes(p) for p in self.layers[index].params)
@@ -157,7 +165,13 @@ class LayerWeightStreamer:
         """Bytes of frozen decoder-layer parameters this streamer does not move (parameter subclasses such as
         quantized weights, shared parameters)."""
         streamed = {id(p) for p in self.streamed}
-        kept = {id(p): _nbytes(p) for m in self.modules for p in m.parameters() if not p.requires_grad}
+        kept = {
+            id(p): _nbytes(p)
+            for m, resident in zip(self.modules, self.resident)
+            if not resident  # kept on purpose
+            for p in m.parameters()
+            if not p.requires_grad
+        }
         return sum(n for i, n in kept.items() if i not in streamed)
 
     # -- install / remove ---------------------------------------------------------------------------------
