@@ -111,6 +111,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         **_job_identity(),
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
+        "layer_offloading_resident_layers": data.get("layer_offloading_resident_layers", 0),
         "offload": next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None),
         "layer_offload": next((cb.last_step for cb in callbacks if isinstance(cb, LayerOffload)), None),
         "steps": trainer.global_step,

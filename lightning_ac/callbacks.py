@@ -44,6 +44,7 @@ class SuiteCallback(Callback):
     _peers: List[SuiteCallback] = []
     verbose: bool = False
     prog_bar: bool = False
+    _step: _OptimizerStep
 
     def _init_output(self, verbose: Any, prog_bar: Any) -> None:
         name = type(self).__name__
@@ -56,6 +57,7 @@ class SuiteCallback(Callback):
         return self._plan
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._step = _OptimizerStep()  # a new run: no optimizer step under way
         if self._plan is not None and self._plan.module is pl_module:
             return  # another suite callback applied the shared plan already
         peers = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
@@ -283,7 +285,6 @@ class ActivationOffload(SuiteCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reported_host_use = False
-        self._step = _OptimizerStep()
         super().setup(trainer, pl_module, stage)
 
     def on_train_batch_start(
@@ -384,7 +385,7 @@ class LayerOffload(SuiteCallback):
             layers, copy_on_host=copy_on_host, host_reserve_bytes=host_reserve_bytes, resident_layers=resident_layers
         )
         self._init_output(verbose, prog_bar)
-        self.last_step: Dict[str, int] = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
+        self.last_step: Dict[str, int] = _no_loads()
         self.host_bytes = 0
         self._step = _OptimizerStep()
 
@@ -403,7 +404,7 @@ class LayerOffload(SuiteCallback):
         streamer = self._plan.weight_streamer if self._plan is not None else None
         if streamer is not None:
             if self._step.begin(trainer):
-                self._totals = {"loads": 0, "bytes": 0, "max_resident_layers": 0}
+                self._totals = _no_loads()
             streamer.start_step()
 
     def on_train_batch_end(
@@ -431,11 +432,16 @@ def _no_transfers() -> Dict[str, Dict[str, int]]:
     return {t: {"tensors": 0, "bytes": 0} for t in OFFLOAD_TARGETS}
 
 
+def _no_loads() -> Dict[str, int]:
+    return {"loads": 0, "bytes": 0, "max_resident_layers": 0}
+
+
 class _OptimizerStep:
     """Which micro-batches make up one optimizer step (Lightning's step: ``global_step``, the logger's x-axis).
 
     ``global_step`` counts optimizer steps: it stays the same over the micro-batches of one step under gradient
-    accumulation and has moved on by the end of the micro-batch that stepped.
+    accumulation and has moved on by the end of the micro-batch that stepped. Under manual optimization it
+    moves with the optimizers ``self.optimizers()`` hands out; stepping a raw torch optimizer publishes nothing.
     """
 
     def __init__(self) -> None:

@@ -79,6 +79,22 @@ def find_mutants() -> List[Mutant]:
     return sorted(mutants, key=lambda m: (m.path, m.line))
 
 
+TIMEOUT_S = 900  # a mutant that hangs (a wait that never returns) counts as killed after this
+
+
+def _pytest(workdir: Path, pytest_args: List[str]) -> int:
+    """Exit status of the simulated tests in ``workdir`` (pytest's: 0 passed, 1 failed, other: broken run)."""
+    env = {**os.environ, "PYTHONPATH": str(workdir)}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-m", "simulated", "-x", "-q", "-p", "no:cacheprovider", *pytest_args],
+            cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return 1
+    return result.returncode
+
+
 def run(mutant: Mutant, workdir: Path, pytest_args: List[str]) -> bool:
     """Whether the simulated tests fail (kill) with ``mutant`` applied."""
     target = workdir / mutant.path
@@ -86,14 +102,12 @@ def run(mutant: Mutant, workdir: Path, pytest_args: List[str]) -> bool:
     lines[mutant.line - 1] = mutant.replacement + "\n"
     target.write_text("".join(lines))
     try:
-        env = {**os.environ, "PYTHONPATH": str(workdir)}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", "simulated", "-x", "-q", "-p", "no:cacheprovider", *pytest_args],
-            cwd=workdir, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        return result.returncode != 0
+        status = _pytest(workdir, pytest_args)
     finally:
         shutil.copy(ROOT / mutant.path, target)
+    if status not in (0, 1):  # an import error or no test collected says nothing about the mutant
+        raise SystemExit(f"{mutant.path}:{mutant.line}: the simulated tests did not run (pytest exit {status})")
+    return status == 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -112,6 +126,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.copytree(ROOT / "lightning_ac", workdir / "lightning_ac")
         shutil.copytree(ROOT / "tests", workdir / "tests", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+        baseline = _pytest(workdir, args.pytest_args)
+        if baseline != 0:  # a mutant is killed only by tests that pass without it
+            print(f"the simulated tests fail without any mutant (pytest exit {baseline}): fix them first")
+            return 2
         for mutant in mutants:
             start = time.monotonic()
             dead = run(mutant, workdir, args.pytest_args)

@@ -101,9 +101,10 @@ def test_full_matches_off_loss_and_saves_memory(tmp_path):
 @pytest.mark.parametrize(
     "overrides, targets",
     [
-        (["activation_checkpointing=offload_all"], {"all": True}),
+        # offload_all and offload_hidden are full + one target, as the nested-group case below: slow run only
+        pytest.param(["activation_checkpointing=offload_all"], {"all": True}, marks=pytest.mark.slow),
         (["activation_checkpointing=offload_only"], {"all": True}),
-        (["activation_checkpointing=offload_hidden"], {"hidden_states": True}),
+        pytest.param(["activation_checkpointing=offload_hidden"], {"hidden_states": True}, marks=pytest.mark.slow),
         (["activation_checkpointing=offload_hidden_selective"], {"hidden_states": True, "selective": True}),
         (["activation_checkpointing=full", "activation_checkpointing/offload=hidden_states"], {"hidden_states": True}),
     ],

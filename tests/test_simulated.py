@@ -47,8 +47,9 @@ def test_a_copy_lands_only_when_waited_for():
 def test_integer_poison_and_synchronize():
     with SimulatedDevice() as sim:
         side = sim.new_stream()
+        host = sim.pinned_empty(32).view(torch.int64).fill_(7)
         with sim.use_stream(side):
-            dst = sim.to_device(sim.pinned_empty(32).view(torch.int64).fill_(7), "test copy")
+            dst = sim.to_device(host, "test copy")
         assert (dst == -1).all()
         sim.synchronize()
         assert (dst == 7).all()

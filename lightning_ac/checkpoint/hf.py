@@ -56,8 +56,18 @@ def enable_hf_checkpointing(
         )
     checkpointed = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
     if checkpoint_fn is not checkpoint:
-        # transformers installs functools.partial(checkpoint, **kwargs) on each layer; the same with ours
         for layer, on in zip(layers, checkpointed):
             if on:
-                layer._gradient_checkpointing_func = functools.partial(checkpoint_fn, **kwargs)
+                layer._gradient_checkpointing_func = _with_function(layer._gradient_checkpointing_func, checkpoint_fn)
     return checkpointed
+
+
+def _with_function(installed: Any, checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``functools.partial(checkpoint, **kwargs)`` with ``checkpoint_fn`` in place of torch's."""
+    if not (isinstance(installed, functools.partial) and installed.func is checkpoint):
+        raise RuntimeError(
+            f"transformers installed {installed!r} as the layers' checkpoint function, where lightning_ac expects "
+            "functools.partial(torch.utils.checkpoint.checkpoint, ...); offload.hidden_states cannot route the "
+            "layer inputs through it. Please report this with your transformers version."
+        )
+    return functools.partial(checkpoint_fn, *installed.args, **installed.keywords)

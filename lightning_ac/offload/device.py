@@ -100,10 +100,6 @@ class AsyncDevice:
         """A context in which ``stream`` is current."""
         raise NotImplementedError
 
-    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
-        """Device memory, allocated on the current stream."""
-        raise NotImplementedError
-
     def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
         """Copy device memory ``source`` into ``host`` without blocking the host, on the current stream."""
         raise NotImplementedError
@@ -120,8 +116,13 @@ class AsyncDevice:
         """``nbytes`` of page-locked host memory."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of ``tensor`` (torch's pinned allocator)."""
+        return tensor.pin_memory()
+
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``buffer``'s memory page-locked: in place where the device supports it, else a pinned copy."""
+        """A large, page-aligned host buffer's memory page-locked: in place where the device supports it, else
+        a pinned copy."""
         return buffer.pin_memory()
 
     def unpin(self, buffer: torch.Tensor) -> None:
@@ -144,9 +145,6 @@ class AcceleratorDevice(AsyncDevice):
     def use_stream(self, stream: Any) -> Any:
         return self.module.stream(stream)
 
-    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
     def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
         host.copy_(source, non_blocking=True)
 
@@ -158,8 +156,9 @@ class AcceleratorDevice(AsyncDevice):
         # to a power of two, which would cost up to twice the weights' size in host memory.
         if self.device.type == "cuda" and buffer.numel():
             try:
-                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-                if buffer.is_pinned():
+                nbytes = buffer.numel() * buffer.element_size()
+                error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+                if int(error) == 0 and buffer.is_pinned():
                     return buffer
             except Exception:  # noqa: BLE001 - an unavailable binding falls back to torch's pinned allocator
                 pass

@@ -261,11 +261,10 @@ class TransferEngine:
             host.copy_(source)
             return copy
         streams = self._ensure_streams()
-        # After the kernels that produced the tensor, and so after every reload the compute stream has waited
-        # for: a pooled buffer's last reload was consumed (waited for) before its copy could be dropped. A reload
-        # nobody consumed (a prefetch a recompute's early stop skipped) may still read a reused buffer, but its
-        # bytes are never used, so no wait on the reload stream is needed here (tests/mutants.py found none).
-        streams.d2h.wait_stream(streams.current())
+        streams.d2h.wait_stream(streams.current())  # after the kernels that produced the tensor
+        # No wait on the reload stream: a pinned buffer returns to the pool only when its copy is collected, which
+        # the engine's own references prevent until finish_step, after both streams are synchronized. A reload
+        # still reading a pooled buffer could only be a prefetch of a copy dropped unread, whose bytes nobody uses.
         with streams.stream(streams.d2h):
             self._async.copy_to_host(host, source, "host copy of a saved activation")
             copy.event = streams.d2h.record_event()

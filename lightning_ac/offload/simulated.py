@@ -155,6 +155,7 @@ class SimStream:
 
     def run_until(self, seq: int) -> None:
         """Run queued work in order until this stream has passed ``seq``."""
+        self.sim._poll()  # memory given up since the last call, under copies about to run
         if self is self.sim.compute:
             self.completed = max(self.completed, seq)
             self.sim._poll()
@@ -247,7 +248,8 @@ class SimulatedDevice(AsyncDevice):
         finally:
             self._current.pop()
 
-    def empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
+    def _empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
+        """Device memory, allocated on the current stream (poisoned, counted)."""
         self._poll()
         tensor = torch.empty(shape, dtype=dtype)
         _poison(tensor)
@@ -279,7 +281,7 @@ class SimulatedDevice(AsyncDevice):
         self._enqueue(host, source, role)
 
     def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
-        out = self.empty(host.shape, host.dtype, role)
+        out = self._empty(host.shape, host.dtype, role)
         self._enqueue(out, host, role)
         return out
 
@@ -314,6 +316,9 @@ class SimulatedDevice(AsyncDevice):
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)  # host memory is host memory here
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer

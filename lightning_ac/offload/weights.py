@@ -6,8 +6,9 @@ between steps see real values. Before a layer runs, its parameters are copied to
 and the next layer's copy starts while this one computes; after it runs, ``.data`` points at the host copy
 again and the device copy is freed. Backward walks the layers in reverse: when the gradient reaches a layer's
 outputs (or the layer is called again to recompute it), that layer comes back, the one before it is
-prefetched, and the layers after it, whose backward is done, go. A callback queued on the autograd engine
-releases whatever is still on the device when backward ends.
+prefetched, and every other layer (those after it, whose backward is done, and the end of another forward's
+chain when a step ran the layers more than once) goes. A callback queued on the autograd engine releases
+whatever is still on the device when backward ends.
 
 Autograd keeps what it saves of a parameter as a view of the parameter's device memory (``linear`` saves
 ``weight.t()``), which would keep every layer's weights on the device until backward. During a layer's call a
@@ -255,8 +256,9 @@ class LayerWeightStreamer:
         buffer = self._host_buffer(total)
         copies = []
         for p, offset in zip(params, offsets):
-            if offset is None:
-                host = self._pinned(torch.empty_like(p.data, device="cpu"))
+            if offset is None:  # small: torch's pinned allocator (registering it in place could share a page)
+                host = torch.empty_like(p.data, device="cpu")
+                host = self._async.pin(host) if self._async is not None else host
             else:
                 host = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
             host.copy_(p.data)
