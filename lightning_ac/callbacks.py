@@ -56,6 +56,16 @@ class SuiteCallback(Callback):
         """The plan in force during a run, ``None`` outside one."""
         return self._plan
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """What a copy (``copy.deepcopy``, ``pickle``) holds: the arguments and the latest figures, not the plan of a
+        run in progress. The plan's hooks, engines and host buffers belong to the model it was applied to (its
+        storage references must never be duplicated); a copy is applied to nothing until a Trainer sets it up."""
+        state = self.__dict__.copy()
+        # the run's: our plan and peers, and the LightningModule's log methods Lightning binds onto callbacks
+        for name in ("_plan", "_peers", "log", "log_dict"):
+            state.pop(name, None)
+        return state
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._step = _OptimizerStep()  # a new run: no optimizer step under way
         if self._plan is not None and self._plan.module is pl_module:

@@ -399,3 +399,26 @@ def test_last_step_covers_the_optimizer_step_under_accumulation(llama_reference)
     trainer.fit(LM(clone(base)), batches())
     assert callback.last_step["hidden_states"] == {"tensors": 8, "bytes": 8 * LAYER_INPUT_BYTES}
     assert trainer.callback_metrics["lightning_ac/offload_bytes"] == 8 * LAYER_INPUT_BYTES
+
+
+def test_callbacks_can_be_copied_and_pickled_during_a_run(llama_reference):
+    """Loggers, the LR finder and user code deep-copy callbacks; a copy during a run crashed the process (the
+    engine's storage references were duplicated). A copy holds the arguments and figures, not the run's plan."""
+    import copy
+    import pickle
+
+    base, reference = llama_reference
+    suite = [ActivationCheckpointing(), ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)]
+    copies = []
+
+    class CopyDuringRun(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            for callback in suite:
+                assert callback.plan is not None
+                copies.append(copy.deepcopy(callback))
+                copies.append(pickle.loads(pickle.dumps(callback)))
+
+    run = fit(clone(base), [*suite, CopyDuringRun()])
+    assert_same_training(reference, run)
+    assert len(copies) == 4 and all(c.plan is None for c in copies)
+    assert copies[2].request == suite[1].request and copies[2].last_step == suite[1].last_step
