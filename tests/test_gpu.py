@@ -149,3 +149,35 @@ def test_layer_offload_on_cuda_is_exact_and_frees_the_frozen_weights(checkpointi
     # Lightning moves the module to the CPU after fit; the streamed weights went with it, in pageable memory
     assert {p.device.type for p in module.parameters()} == {"cpu"}
     assert not any(p.is_pinned() for p in module.parameters())
+
+
+@pytest.mark.parametrize("resident_layers", [0, 2])
+def test_layer_offload_on_cuda_two_forwards_and_resident_layers(resident_layers):
+    """Issue 11 items 3 and 6 on the real stream path: a step with two forwards before backward keeps two streamed
+    layers on the device; resident layers stay and save two loads each."""
+    from test_layer_offload import TwoForwards
+
+    from lightning_ac import LayerOffload
+
+    base = tiny_model("llama", lora=True, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8)  # fmt: skip
+    layers = base.base_model.model.model.layers
+    frozen = sum(p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad)
+    per_layer = frozen // len(layers)
+
+    def run(callbacks):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        metrics = StepMetrics(measure_step=1)
+        module = gpu_fit(clone(base), [*callbacks, metrics], max_steps=3, module_cls=TwoForwards)
+        return module, metrics.peak.peak_bytes
+
+    callback = LayerOffload(resident_layers=resident_layers)
+    reference, plain_peak = run([])
+    module, offload_peak = run([callback])
+    assert reference.losses == module.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, module.grads[name]), name
+    streamed = len(layers) - resident_layers
+    assert callback.last_step == {"loads": 4 * streamed, "bytes": 4 * streamed * per_layer, "max_resident_layers": 2}
+    assert plain_peak - offload_peak >= (streamed - 2.5) * per_layer, (plain_peak, offload_peak, per_layer)
