@@ -42,7 +42,7 @@ from lightning_ac import (  # noqa: E402
     migrate_legacy,
 )
 from lightning_ac.bench.memory import StepMetrics  # noqa: E402
-from lightning_ac.config import config_to_dict, parse_config  # noqa: E402
+from lightning_ac.config import config_to_dict, parse_bool, parse_config  # noqa: E402
 from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 
 log = logging.getLogger("train")
@@ -88,8 +88,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         block,
         layer_offloading=data.get("layer_offloading", False),
         layer_offloading_resident_layers=data.get("layer_offloading_resident_layers", 0),
-        copy_on_host=data.get("offload_copy_on_host", False),
-        verbose=data.get("report", False),
+        # the job's own switches, checked under the names the user writes (report=no is an error, not "on")
+        copy_on_host=parse_bool(data.get("offload_copy_on_host", False), "offload_copy_on_host"),
+        verbose=parse_bool(data.get("report", False), "report"),
     )
 
     pl.seed_everything(cfg.seed, workers=True)

@@ -144,6 +144,7 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
     "overrides, fragments",
     [
         (["activation_checkpointing.offload.all=disk"], ["offload.all", "disk", "pending a fix"]),
+        (["report=no"], ["report: expected true or false, got 'no'"]),
         (
             ["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"],
             ["every_n_layers", ">= 1"],

@@ -66,9 +66,17 @@ def check_host_budget(what: str, needed_bytes: int, limit_bytes: Optional[int], 
     if limit_bytes is None or needed_bytes <= limit_bytes:
         return
     raise HostMemoryError(
-        f"{what} needs {needed_bytes / 2**30:.2f} GiB of host memory, but only {limit_bytes / 2**30:.2f} GiB is "
-        f"available (MemAvailable minus a {reserve_bytes / 2**30:.2f} GiB reserve). {fix}"
+        f"{what} needs {format_bytes(needed_bytes)} of host memory, but only {format_bytes(limit_bytes)} is "
+        f"available (MemAvailable minus a {format_bytes(reserve_bytes)} reserve). {fix}"
     )
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps the number at 1 or more (``512 B``, ``1.5 MiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def is_asynchronous(device: torch.device) -> bool:
