@@ -360,7 +360,7 @@ class LayerOffload(SuiteCallback):
             qualified module names (see :class:`ActivationCheckpointing`).
         copy_on_host: On a CPU-only trainer, run the copies anyway (tests, debugging). Without it a CPU-only
             trainer is a :class:`ConfigError`: the parameters already live in host memory there.
-        host_reserve_bytes: Host memory left free: if the frozen weights need more, the first forward raises
+        host_reserve_bytes: Host memory left free: if the frozen weights need more, ``setup`` raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of meeting the OOM killer.
         resident_layers: Keep the frozen weights of the last ``k`` decoder layers (of each model) on the device
             for the whole run: they run last in forward and first in backward, so each saves two loads per step

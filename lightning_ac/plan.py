@@ -14,6 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
@@ -49,6 +50,8 @@ __all__ = ["Plan"]
 # offloading (whole parameters) cannot work on. isinstance, so that a user's subclass counts too.
 _FSDP_STRATEGIES = (FSDPStrategy, ModelParallelStrategy)
 _SHARDING_STRATEGIES = (*_FSDP_STRATEGIES, DeepSpeedStrategy)
+# What DDP (and Lightning's state sync outside fit) leave out of the broadcast of the module's state at setup.
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
 
 
 class Plan:
@@ -208,7 +211,7 @@ class Plan:
         assert self.module is not None and self.device is not None
         cfg = self.config
         self.layers = layers
-        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES)
+        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + (_DDP_IGNORE,))
         modules = layers.modules
         try:
             if self._offload_here:
@@ -291,6 +294,21 @@ class Plan:
             resident=resident,
         )
         self.weight_streamer.install()
+        self._share_streamed_weights()
+
+    def _share_streamed_weights(self) -> None:
+        """Under DDP: every process trains on process 0's weights. DDP broadcasts the module's state at setup,
+        after moving the module to the device; the streamed parameters are kept out of that broadcast (they are in
+        host memory, and must never be on the device whole) and broadcast here, one parameter at a time."""
+        streamer = self.weight_streamer
+        assert streamer is not None and self.module is not None
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        streamed = {id(p) for p in streamer.streamed}
+        names = [n for n, p in self.module.named_parameters(remove_duplicate=False) if id(p) in streamed]
+        ignored = list(getattr(self.module, _DDP_IGNORE, []))
+        setattr(self.module, _DDP_IGNORE, ignored + [n for n in names if n not in ignored])
+        streamer.broadcast(src=0)
 
     def _resident_layers(self) -> List[bool]:
         """For each decoder layer, whether it is among the last ``resident_layers`` of its model."""

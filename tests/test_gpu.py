@@ -181,3 +181,34 @@ def test_layer_offload_on_cuda_two_forwards_and_resident_layers(resident_layers)
     streamed = len(layers) - resident_layers
     assert callback.last_step == {"loads": 4 * streamed, "bytes": 4 * streamed * per_layer, "max_resident_layers": 2}
     assert plain_peak - offload_peak >= (streamed - 2.5) * per_layer, (plain_peak, offload_peak, per_layer)
+
+
+def test_layer_offload_trains_a_base_larger_than_the_device_memory_allowed():
+    """Issue 11 item 1: the frozen weights go to host memory before the strategy places the module, so a base that
+    does not fit the device memory allowed to the process still trains, exactly as an unlimited plain run does."""
+    from lightning_ac import LayerOffload
+
+    base = tiny_model("llama", lora=True, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=8)  # fmt: skip
+    layers = base.base_model.model.model.layers
+    frozen = sum(p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad)
+    limit = frozen // 2  # half the frozen base; two layers are a sixth of it
+    reference = gpu_fit(clone(base), [ActivationCheckpointing()], max_steps=2)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            gpu_fit(clone(base), [ActivationCheckpointing()], max_steps=2)  # the plain run does not fit
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        callback = LayerOffload()
+        module = gpu_fit(clone(base), [ActivationCheckpointing(), callback], max_steps=2)
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert reference.losses == module.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, module.grads[name]), name
+    assert peak <= limit and callback.last_step["max_resident_layers"] == 2, (peak, limit)

@@ -12,8 +12,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 from lightning_ac import (
     ActivationCheckpointing,
@@ -191,7 +194,7 @@ def test_validate_only_run_is_exact(lora_llama, transfer):
 
 
 def test_validation_inside_fit_is_exact(lora_llama, transfer):
-    """The sanity check's validation (no grad) is the first forward: the weights move out there."""
+    """The sanity check's validation (no grad) is the first forward, with the weights already in host memory."""
 
     def run(callbacks):
         module = ValLM(clone(lora_llama))
@@ -201,6 +204,83 @@ def test_validation_inside_fit_is_exact(lora_llama, transfer):
 
     (plain, plain_val), (streamed, streamed_val) = run([]), run([ActivationCheckpointing(), layer_offload()])
     assert plain.losses == streamed.losses and plain_val == streamed_val
+
+
+class PlacementSpy(SingleDeviceStrategy):
+    """A single-device strategy that records every tensor its placement of the module (``model.to(device)``)
+    converts: what it would copy to the device."""
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.placed: dict = {}
+
+    def model_to_device(self) -> None:
+        placed = self.placed
+
+        class Spy(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.to:
+                    placed[id(args[0])] = args[0].numel() * args[0].element_size()
+                return func(*args, **(kwargs or {}))
+
+        with Spy():
+            super().model_to_device()
+
+
+def test_the_strategy_never_places_streamed_weights(lora_llama, transfer):
+    """The frozen decoder-layer weights move to host memory in setup, before the strategy places the module:
+    its model.to(device) converts everything else and none of them, so the device peak, setup included, is what
+    is not streamed plus two layers."""
+    module = LM(clone(lora_llama))
+    callback = layer_offload()
+    strategy = PlacementSpy()
+    make_trainer([ActivationCheckpointing(), callback], max_steps=2, strategy=strategy).fit(module, batches())
+    layers = module.model.base_model.model.model.layers
+    streamed = {id(p): p.numel() * p.element_size() for p in layers.parameters() if not p.requires_grad}
+    assert streamed and not streamed.keys() & strategy.placed.keys(), "no streamed weight passes placement"
+    placed = {id(p) for p in module.parameters()} & strategy.placed.keys()
+    assert placed == {id(p) for p in module.parameters()} - streamed.keys(), "everything else is placed"
+    frozen = frozen_layer_bytes(lora_llama)
+    assert callback.last_step == {"loads": 2 * LAYERS, "bytes": 2 * frozen, "max_resident_layers": 2}
+    if transfer is not None:  # the simulated device: what it held, besides what placement put there
+        assert transfer.peak_bytes["layer weights"] == 2 * frozen // LAYERS
+
+
+def test_a_dtype_conversion_of_the_module_converts_the_host_copies(lora_llama):
+    """bf16-true precision converts the module with model.to(torch.bfloat16) at setup, after the weights went to
+    host memory: they are converted there, and training is exact."""
+    reference = fit(clone(lora_llama), max_steps=2, precision="bf16-true")
+    module = LM(clone(lora_llama))
+    callback = layer_offload()
+    make_trainer([callback], max_steps=2, precision="bf16-true").fit(module, batches())
+    assert reference.losses == module.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, module.grads[name]), name
+    assert callback.host_bytes == frozen_layer_bytes(lora_llama) // 2, "bfloat16 copies in host memory"
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+
+
+def test_resume_from_a_checkpoint_loads_the_streamed_weights(lora_llama, tmp_path, transfer):
+    """fit(ckpt_path=...) loads the checkpoint into the module after setup: the streamed weights take the
+    checkpoint's values in host memory, and training goes on exactly as without LayerOffload."""
+    first = LM(clone(lora_llama))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    make_trainer([checkpoint], max_steps=2, enable_checkpointing=True).fit(first, batches())
+
+    def resume(callbacks):
+        model = clone(lora_llama)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # everything, frozen weights included, must come from the checkpoint
+        module = LM(model)
+        trainer = make_trainer(callbacks, max_steps=4)
+        trainer.fit(module, batches(), ckpt_path=str(tmp_path / "last.ckpt"))
+        return module
+
+    plain, streamed = resume([]), resume([ActivationCheckpointing(), layer_offload()])
+    assert plain.losses == streamed.losses and len(plain.losses) == 2
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)
 
 
 class Boom(LM):

@@ -1,14 +1,16 @@
 """Layer offloading: frozen decoder-layer parameters live in host memory and visit the device one layer at a time.
 
-Each decoder layer's frozen parameters are copied once into one host buffer per layer (pinned on an accelerator).
-Between uses a parameter's ``.data`` *is* its slice of that buffer, so ``state_dict``, checkpoints and user code
-between steps see real values. Before a layer runs, its parameters are copied to the device on a side stream,
-and the next layer's copy starts while this one computes; after it runs, ``.data`` points at the host copy
-again and the device copy is freed. Backward walks the layers in reverse: when the gradient reaches a layer's
-outputs (or the layer is called again to recompute it), that layer comes back, the one before it is
-prefetched, and every other layer (those after it, whose backward is done, and the end of another forward's
-chain when a step ran the layers more than once) goes. A callback queued on the autograd engine releases
-whatever is still on the device when backward ends.
+Each decoder layer's frozen parameters are copied once into one host buffer per layer (pinned on an accelerator), in
+``Callback.setup``, before the strategy places the module: the strategy's ``module.to(device)`` skips them (a dtype
+conversion converts their host copies), DDP's broadcast of the module's state leaves them to us, and the device
+never holds them whole. Between uses a parameter's ``.data`` *is* its slice of that buffer, so ``state_dict``,
+checkpoints and user code between steps see real values. Before a layer runs, its parameters are copied to the
+device on a side stream, and the next layer's copy starts while this one computes; after it runs, ``.data`` points
+at the host copy again and the device copy is freed. Backward walks the layers in reverse: when the gradient reaches
+a layer's outputs (or the layer is called again to recompute it), that layer comes back, the one before it is
+prefetched, and every other layer (those after it, whose backward is done, and the end of another forward's chain
+when a step ran the layers more than once) goes. A callback queued on the autograd engine releases whatever is still
+on the device when backward ends.
 
 Autograd keeps what it saves of a parameter as a view of the parameter's device memory (``linear`` saves
 ``weight.t()``), which would keep every layer's weights on the device until backward. During a layer's call a
@@ -89,8 +91,8 @@ class LayerWeightStreamer:
         params: For each layer, the parameters to stream (see :func:`frozen_layer_parameters`).
         device: The training device.
         copy_on_host: On a CPU device, run the same path with separate host tensors (tests, debugging).
-        host_reserve_bytes: Host memory left free: needing more raises :class:`HostMemoryError` at the first
-            forward instead of letting the OOM killer end the run.
+        host_reserve_bytes: Host memory left free: needing more raises :class:`HostMemoryError` in
+            :meth:`install` instead of letting the OOM killer end the run.
         groups: For each layer, the model it belongs to (a policy and a frozen reference model in one module):
             layers are prefetched only within their model, whose layers run in order. ``None``: one model.
         resident: For each layer, whether its frozen weights stay on the device (``params`` empty for it).
@@ -129,6 +131,7 @@ class LayerWeightStreamer:
         self._by_storage: Dict[int, Tuple[_Layer, int]] = {}  # device copy's storage -> (layer, slot)
         self._release_events: Deque[Any] = collections.deque()
         self._registered: List[torch.Tensor] = []  # host buffers pinned with cudaHostRegister
+        self._guarded: List[nn.Module] = []  # submodules whose _apply skips streamed parameters
         self._backward_task: Optional[int] = None  # the graph task whose final callback is queued
 
     @property
@@ -178,13 +181,70 @@ class LayerWeightStreamer:
     # -- install / remove ---------------------------------------------------------------------------------
 
     def install(self) -> None:
-        """Register the forward hooks on each layer. Parameters move to the host at the first forward, after
-        the strategy has placed the model on its device."""
+        """Move the streamed parameters to host memory now, guard them against module conversions, and
+        register the forward hooks on each layer.
+
+        Called before the strategy places the module on its device (``Callback.setup``), so that the device never
+        holds the streamed weights whole: the strategy's ``module.to(device)`` (and a precision plugin's dtype
+        conversion) skip them, and a dtype conversion is applied to their host copies instead.
+        """
+        self._offload_all()
         for layer, module in zip(self.layers, self.modules):
             if not layer.params:
                 continue
+            self._guard_conversions(layer, module)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(layer)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(layer), always_call=True))
+
+    def broadcast(self, src: int = 0) -> None:
+        """Give every process the streamed weights of process ``src``: DDP's broadcast of the module's state at
+        setup must not see them (it would need them on the device, whole), so this does it one parameter at a
+        time, through the device when the backend needs device tensors."""
+        import torch.distributed as dist
+
+        for layer in self.layers:
+            for host in layer.host:
+                staged = host.to(self.device) if self.on_accelerator else host.contiguous()
+                dist.broadcast(staged, src)
+                if staged.data_ptr() != host.data_ptr():
+                    host.copy_(staged)
+
+    def _guard_conversions(self, layer: _Layer, module: nn.Module) -> None:
+        """Make ``module.to(...)``, ``.half()``, ``.cuda()`` and the like leave this layer's streamed parameters
+        in host memory: each submodule that holds one gets an ``_apply`` that hides them from the conversion,
+        then converts their dtype on the host if the conversion changes it."""
+        streamed = {id(p) for p in layer.params}
+        for sub in module.modules():
+            names = [n for n, p in sub._parameters.items() if p is not None and id(p) in streamed]
+            if names and "_apply" not in sub.__dict__:
+                sub._apply = self._make_apply_guard(layer, sub, names)
+                self._guarded.append(sub)
+
+    def _make_apply_guard(self, layer: _Layer, sub: nn.Module, names: List[str]) -> Any:
+        def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+            held = {name: sub._parameters[name] for name in names}
+            for name in names:
+                sub._parameters[name] = None  # skipped by nn.Module._apply; the key keeps its place
+            try:
+                type(sub)._apply(sub, fn, recurse)
+            finally:
+                for name, param in held.items():
+                    sub._parameters[name] = param
+            for param in held.values():
+                # What the conversion would make of a tensor of this dtype, without allocating one on the device
+                dtype = fn(torch.empty(0, dtype=param.dtype)).dtype
+                if dtype != param.dtype:
+                    param.data = param.data.to(dtype)  # still host memory
+            if layer.device is None:
+                self._refresh(layer)  # converted parameters get pinned host copies of their own
+            return sub
+
+        return _apply
+
+    def _unguard_conversions(self) -> None:
+        for sub in self._guarded:
+            sub.__dict__.pop("_apply", None)
+        self._guarded = []
 
     def close(self, to: Optional[torch.device] = None) -> None:
         """Remove the hooks and give every parameter its own memory on ``to`` again (default: the training
@@ -192,6 +252,7 @@ class LayerWeightStreamer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._unguard_conversions()
         while self._hook_contexts:  # a call that never returned (an exception before the post hook ran)
             context = self._hook_contexts.pop()
             if context is not None:
@@ -219,9 +280,10 @@ class LayerWeightStreamer:
     # -- host memory --------------------------------------------------------------------------------------
 
     def _offload_all(self) -> None:
-        """Copy every streamed parameter to the host once, and make the host copy its ``.data``."""
+        """Copy every streamed parameter to the host once, and make the host copy its ``.data``. Parameters
+        elsewhere (on the meta device, on another accelerator) are not streamed."""
         for layer in self.layers:
-            layer.params = [p for p in layer.params if p.device == self.device]
+            layer.params = [p for p in layer.params if p.device.type == "cpu" or p.device == self.device]
         check_host_budget(
             "layer_offloading",
             sum(_nbytes(p) for p in self.streamed),
@@ -374,8 +436,6 @@ class LayerWeightStreamer:
 
     def _make_pre_hook(self, layer: _Layer) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not self._offloaded:
-                self._offload_all()
             if _in_backward():
                 # Called again in backward: a recompute by a checkpoint around the layer's call (torch's
                 # CheckpointWrapper, a model's own checkpoint): the layer's backward is next.
