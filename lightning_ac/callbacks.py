@@ -348,8 +348,11 @@ class LayerOffload(SuiteCallback):
     and the one arriving), at the price of PCIe traffic each step. Best with LoRA/QLoRA, where almost every
     parameter is frozen; it stacks with :class:`ActivationCheckpointing` and :class:`ActivationOffload`.
 
-    Trainable parameters, quantized or sharded parameter subclasses, parameters shared between layers, and
-    everything outside the decoder layers (embeddings, output head) stay on the device. Between steps a
+    QLoRA bases stream as stored: bitsandbytes' 4-bit ``Params4bit`` weights move packed, with their quant state.
+    Trainable parameters, other parameter subclasses (DTensor shards, other quantized formats), parameters shared
+    between layers, and everything outside the decoder layers (embeddings, output head) stay on the device. The
+    streamed weights move to host memory in ``setup``, before the strategy places the module, so the device never
+    holds them whole. Between steps a
     streamed parameter's data is its host copy, so ``state_dict`` and checkpoints hold the right values; after
     the run every parameter has memory of its own again, on the same device as the rest of the module (the CPU
     once Lightning's teardown has moved it there). A parameter unfrozen during training (a fine-tuning schedule)

@@ -326,8 +326,8 @@ class Plan:
         if kept > streamed:
             rank_zero_warn(
                 f"layer offloading streams {streamed / 2**20:.1f} MiB, but {kept / 2**20:.1f} MiB of frozen "
-                "decoder-layer parameters stay on the device: they are parameter subclasses (quantized weights such "
-                "as bitsandbytes' Params4bit, DTensor shards) or shared between layers, which it does not move."
+                "decoder-layer parameters stay on the device: they are parameter subclasses it cannot move (quantized "
+                "formats other than bitsandbytes' 4-bit Params4bit, DTensor shards) or shared between layers."
             )
         fp32 = any(p.dtype == torch.float32 for p in streamer.streamed)
         recomputed_everywhere = bool(self.recomputed) and all(self.recomputed)

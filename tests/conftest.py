@@ -64,6 +64,25 @@ def tiny_model(family: str = "llama", seed: int = 0, lora: bool = False, **overr
     return model
 
 
+def tiny_qlora_model(tmp_dir: str, double_quant: bool = False, seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama whose decoder linears are bitsandbytes ``Linear4bit`` (nf4), with LoRA on top: built from a
+    config, saved, and loaded back quantized, as users load a QLoRA base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_dir)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_dir, device_map="cpu", quantization_config=quantization)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)).train()
+
+
 class OpCounter(TorchDispatchMode):
     """Counts dispatched aten ops by overload packet name (``aten.mm``)."""
 

@@ -148,7 +148,7 @@ class BetweenSteps(pl.Callback):
                 "frozen values": all(torch.equal(state[n], v) for n, v in self.frozen_before.items()),
                 "nothing loaded": all(layer.device is None for layer in streamer.layers),
                 "data is the host copy": all(
-                    _holds(p, h) for layer in streamer.layers for p, h in zip(layer.params, layer.host)
+                    _holds(slot.get(), h) for layer in streamer.layers for slot, h in zip(layer.slots, layer.host)
                 ),
             }
         )
@@ -448,7 +448,7 @@ def test_mixed_precision_without_recompute_warns(lora_llama):
 
 
 class QuantizedLike(nn.Parameter):
-    """Stands in for a quantized weight class (bitsandbytes' Params4bit): a Parameter subclass."""
+    """Stands in for a quantized weight class layer offloading does not know (not bitsandbytes' Params4bit)."""
 
 
 def test_frozen_weights_it_cannot_move_are_named(lora_llama):
@@ -464,7 +464,7 @@ def test_frozen_weights_it_cannot_move_are_named(lora_llama):
         run = fit(model, [callback], max_steps=2)
     assert_same_training(reference, run)
     warned = [str(w.message) for w in caught if "stay on the device" in str(w.message)]
-    assert len(warned) == 1 and "Params4bit" in warned[0]
+    assert len(warned) == 1 and "parameter subclasses it cannot move" in warned[0]
     assert callback.host_bytes < frozen_layer_bytes(lora_llama) / 2
 
 

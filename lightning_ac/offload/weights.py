@@ -32,6 +32,7 @@ On a CPU device the same path runs synchronously with separate host tensors stan
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -46,16 +47,27 @@ _ALIGN = 64  # bytes: every parameter's slice of a layer's host buffer starts on
 
 
 def frozen_layer_parameters(layers: Sequence[nn.Module]) -> List[List[nn.Parameter]]:
-    """For each layer, the parameters layer offloading moves: frozen, plain ``nn.Parameter`` (not quantized or
-    sharded subclasses), and used by that layer only (a parameter shared between layers stays put)."""
+    """For each layer, the parameters layer offloading moves: frozen, plain ``nn.Parameter`` or bitsandbytes'
+    4-bit ``Params4bit`` (with its quant state; other subclasses, such as DTensor shards, stay put), and used by
+    that layer only (a parameter shared between layers stays put)."""
     owners: Dict[int, int] = {}
     for layer in layers:
         for p in layer.parameters():  # each parameter once per layer (parameters() drops duplicates)
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [
-        [p for p in layer.parameters() if not p.requires_grad and type(p) is nn.Parameter and owners[id(p)] == 1]
+        [p for p in layer.parameters() if not p.requires_grad and _streamable(p) and owners[id(p)] == 1]
         for layer in layers
     ]
+
+
+def _streamable(p: nn.Parameter) -> bool:
+    return type(p) is nn.Parameter or (_is_params4bit(p) and getattr(p, "quant_state", None) is not None)
+
+
+def _is_params4bit(p: torch.Tensor) -> bool:
+    """bitsandbytes' 4-bit parameter, recognised without importing bitsandbytes."""
+    cls = type(p)
+    return cls.__name__ == "Params4bit" and cls.__module__.startswith("bitsandbytes")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -63,11 +75,44 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @dataclass(eq=False)
+class _Slot:
+    """One tensor a layer streams: a parameter's ``.data``, or a tensor of a 4-bit parameter's quant state
+    (``absmax``, ``code``; with double quantization also ``offset`` and the nested state's), which the
+    dequantizing kernels read next to the packed weight."""
+
+    param: nn.Parameter
+    owner: Any  # the parameter, or the (nested) QuantState holding the tensor
+    attr: str  # "data", or the QuantState attribute
+
+    def get(self) -> torch.Tensor:
+        return self.owner.data if self.attr == "data" else getattr(self.owner, self.attr)
+
+    def set(self, tensor: torch.Tensor) -> None:
+        if self.attr == "data":
+            self.owner.data = tensor
+        else:
+            setattr(self.owner, self.attr, tensor)
+
+
+def _slots(param: nn.Parameter) -> List[_Slot]:
+    """What streaming ``param`` moves: its data, and for a 4-bit parameter the tensors of its quant state."""
+    slots = [_Slot(param, param, "data")]
+    state = getattr(param, "quant_state", None) if _is_params4bit(param) else None
+    if state is not None:
+        slots += [_Slot(param, state, "absmax"), _Slot(param, state, "code")]
+        if getattr(state, "nested", False):
+            slots += [_Slot(param, state, "offset"), _Slot(param, state.state2, "absmax")]
+            slots += [_Slot(param, state.state2, "code")]
+    return slots
+
+
+@dataclass(eq=False)
 class _Layer:
     index: int
     params: List[nn.Parameter]
-    host: List[torch.Tensor] = field(default_factory=list)  # the parameters' .data between uses
-    device: Optional[List[torch.Tensor]] = None  # device copies while the layer is loaded
+    slots: List[_Slot] = field(default_factory=list)  # what moves for ``params``, in order
+    host: List[torch.Tensor] = field(default_factory=list)  # each slot's tensor between uses
+    device: Optional[List[torch.Tensor]] = None  # each slot's device copy while the layer is loaded
     event: Any = None  # accelerator event: the host -> device copy has finished
     nbytes: int = 0
 
@@ -132,6 +177,7 @@ class LayerWeightStreamer:
         self._release_events: Deque[Any] = collections.deque()
         self._registered: List[torch.Tensor] = []  # host buffers pinned with cudaHostRegister
         self._guarded: List[nn.Module] = []  # submodules whose _apply skips streamed parameters
+        self._repack_disabled: List[nn.Module] = []  # 4-bit linears whose CPU repacking is off for the run
         self._backward_task: Optional[int] = None  # the graph task whose final callback is queued
 
     @property
@@ -157,13 +203,14 @@ class LayerWeightStreamer:
             return f"frozen params ({frozen / 2**20:.1f} MiB) resident on the device"
         if index >= len(self.layers) or not self.layers[index].params:
             return None
-        frozen = sum(_nbytes(p) for p in self.layers[index].params)
+        frozen = self.layers[index].nbytes
         return f"frozen params ({frozen / 2**20:.1f} MiB) ↔ cpu"
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes of the parameters this streamer moves."""
-        return sum(_nbytes(p) for p in self.streamed)
+        """Bytes this streamer moves per layer visit, summed over the layers (4-bit weights with their quant
+        state)."""
+        return sum(layer.nbytes for layer in self.layers)
 
     def kept_frozen_bytes(self) -> int:
         """Bytes of frozen decoder-layer parameters this streamer does not move (parameter subclasses such as
@@ -195,6 +242,42 @@ class LayerWeightStreamer:
             self._guard_conversions(layer, module)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(layer)))
             self._handles.append(module.register_forward_hook(self._make_post_hook(layer), always_call=True))
+            self._install_4bit_hooks(layer, module)
+
+    def _install_4bit_hooks(self, layer: _Layer, module: nn.Module) -> None:
+        """bitsandbytes' 4-bit matmul keeps the packed weight for its backward outside autograd's saved tensors
+        (``ctx.tensors``), where the saved-tensor hook cannot replace it, and that reference would keep the
+        layer's device copy alive until backward. After each 4-bit linear's call, the reference is taken out
+        and put back, from the reloaded copy, just before that backward node runs."""
+        streamed = {id(p) for p in layer.params}
+        for sub in module.modules():
+            weight = sub._parameters.get("weight")
+            if weight is None or id(weight) not in streamed or not _is_params4bit(weight):
+                continue
+            self._handles.append(sub.register_forward_hook(self._drop_kept_weights))
+            if getattr(sub, "support_avx512bf16_for_cpu", False):
+                # On a CPU, bitsandbytes repacks the weight for AVX512-bf16 kernels at its first eval call,
+                # replacing the data this streamer swaps: keep the layout that streams.
+                sub.support_avx512bf16_for_cpu = False
+                self._repack_disabled.append(sub)
+
+    def _drop_kept_weights(self, module: nn.Module, args: Any, output: Any) -> None:
+        for node in _nodes_near(_tensors(output), depth=3):
+            kept = getattr(node, "tensors", None)
+            if type(node).__name__ != "MatMul4BitBackward" or not isinstance(kept, tuple) or len(kept) != 2:
+                continue
+            weight = kept[1]
+            if not isinstance(weight, torch.Tensor):
+                continue
+            found = self._by_storage.get(weight.untyped_storage().data_ptr())
+            if found is None:
+                continue
+            view = _ParamView(found[0], found[1], weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
+            node.tensors = (kept[0], None)
+            node.register_prehook(functools.partial(self._restore_kept_weight, node, view))
+
+    def _restore_kept_weight(self, node: Any, view: _ParamView, grad_outputs: Any) -> None:
+        node.tensors = (node.tensors[0], self._rebuild(view))
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the streamed weights of process ``src``: DDP's broadcast of the module's state at
@@ -245,6 +328,9 @@ class LayerWeightStreamer:
         for sub in self._guarded:
             sub.__dict__.pop("_apply", None)
         self._guarded = []
+        for sub in self._repack_disabled:
+            sub.support_avx512bf16_for_cpu = True
+        self._repack_disabled = []
 
     def close(self, to: Optional[torch.device] = None) -> None:
         """Remove the hooks and give every parameter its own memory on ``to`` again (default: the training
@@ -263,9 +349,9 @@ class LayerWeightStreamer:
         if self._offloaded:
             for layer in self.layers:
                 self._release(layer)
-                for p, host in zip(layer.params, layer.host):
-                    if _holds(p, host):  # untouched since: the parameter gets memory of its own back
-                        p.data = self._own_copy(host, target)
+                for slot, host in zip(layer.slots, layer.host):
+                    if _holds(slot.get(), host):  # untouched since: the parameter gets memory of its own back
+                        slot.set(self._own_copy(host, target))
                 layer.host = []
         self._offloaded = False
         self._release_events.clear()
@@ -283,32 +369,36 @@ class LayerWeightStreamer:
         """Copy every streamed parameter to the host once, and make the host copy its ``.data``. Parameters
         elsewhere (on the meta device, on another accelerator) are not streamed."""
         for layer in self.layers:
-            layer.params = [p for p in layer.params if p.device.type == "cpu" or p.device == self.device]
+            layer.params = [p for p in layer.params if all(self._movable(slot.get()) for slot in _slots(p))]
+            layer.slots = [slot for p in layer.params for slot in _slots(p)]
         check_host_budget(
             "layer_offloading",
-            sum(_nbytes(p) for p in self.streamed),
+            sum(_nbytes(slot.get()) for layer in self.layers for slot in layer.slots),
             host_limit(self.host_reserve_bytes),
             self.host_reserve_bytes,
             "Free host memory, use fewer data-parallel processes per machine, or set layer_offloading: false.",
         )
         for layer in self.layers:
-            layer.host = self._host_copies(layer.params)
-            for p, host in zip(layer.params, layer.host):
-                p.data = host
+            layer.host = self._host_copies([slot.get() for slot in layer.slots])
+            for slot, host in zip(layer.slots, layer.host):
+                slot.set(host)
         self._count_host_bytes()
         self._offloaded = True
+
+    def _movable(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" or tensor.device == self.device
 
     def _count_host_bytes(self) -> None:
         for layer in self.layers:
             layer.nbytes = sum(_nbytes(h) for h in layer.host)
         self.host_bytes = sum(layer.nbytes for layer in self.layers)
 
-    def _host_copies(self, params: Sequence[nn.Parameter]) -> List[torch.Tensor]:
-        """Host copies of ``params``: slices of one buffer for the layer (a non-contiguous parameter gets
-        memory of its own, so that its strides survive)."""
+    def _host_copies(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Host copies of ``tensors``: slices of one buffer for the layer (a non-contiguous tensor gets memory of
+        its own, so that its strides survive)."""
         offsets: List[Optional[int]] = []
         total = 0
-        for p in params:
+        for p in tensors:
             if p.is_contiguous():
                 total = -(-total // _ALIGN) * _ALIGN
                 offsets.append(total)
@@ -317,13 +407,13 @@ class LayerWeightStreamer:
                 offsets.append(None)
         buffer = self._host_buffer(total)
         copies = []
-        for p, offset in zip(params, offsets):
+        for p, offset in zip(tensors, offsets):
             if offset is None:  # small: torch's pinned allocator (registering it in place could share a page)
-                host = torch.empty_like(p.data, device="cpu")
+                host = torch.empty_like(p, device="cpu")
                 host = self._async.pin(host) if self._async is not None else host
             else:
                 host = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
-            host.copy_(p.data)
+            host.copy_(p)
             copies.append(host)
         return copies
 
@@ -352,20 +442,20 @@ class LayerWeightStreamer:
 
     def _refresh(self, layer: _Layer) -> None:
         """Between uses: a parameter that now trains (a fine-tuning schedule unfroze it) leaves the stream and
-        gets device memory of its own; one whose data someone replaced (``model.to(...)``) gets a new host
-        copy."""
-        if all(not p.requires_grad and _holds(p, h) for p, h in zip(layer.params, layer.host)):
+        gets device memory of its own; a tensor someone replaced (``model.to(...)``) gets a new host copy."""
+        if all(not s.param.requires_grad and _holds(s.get(), h) for s, h in zip(layer.slots, layer.host)):
             return  # the usual case, checked at every load: nothing changed since the last use
-        keep = [(p, h) for p, h in zip(layer.params, layer.host) if not p.requires_grad]
-        for p, host in zip(layer.params, layer.host):
-            if p.requires_grad:
-                p.data = self._own_copy(p.data if not _holds(p, host) else host, self.device)
-        layer.params, layer.host = [p for p, _ in keep], [h for _, h in keep]
-        for slot, (p, host) in enumerate(zip(layer.params, layer.host)):
-            if not _holds(p, host):
-                fresh = self._host_copies([p])[0]
-                layer.host[slot] = fresh
-                p.data = fresh
+        for slot, host in zip(layer.slots, layer.host):
+            if slot.param.requires_grad:
+                slot.set(self._own_copy(host if _holds(slot.get(), host) else slot.get(), self.device))
+        kept = [(s, h) for s, h in zip(layer.slots, layer.host) if not s.param.requires_grad]
+        layer.params = [p for p in layer.params if not p.requires_grad]
+        layer.slots, layer.host = [s for s, _ in kept], [h for _, h in kept]
+        for index, slot in enumerate(layer.slots):
+            if not _holds(slot.get(), layer.host[index]):
+                fresh = self._host_copies([slot.get()])[0]
+                layer.host[index] = fresh
+                slot.set(fresh)
         self._count_host_bytes()
 
     # -- moving parameters --------------------------------------------------------------------------------
@@ -411,9 +501,9 @@ class LayerWeightStreamer:
             for t in layer.device:
                 self._streams.device.record_stream(t, current)  # allocated on the copy stream, used on this one
             layer.event = None
-        for p, t in zip(layer.params, layer.device):
-            if not _holds(p, t):
-                p.data = t
+        for slot, t in zip(layer.slots, layer.device):
+            if not _holds(slot.get(), t):
+                slot.set(t)
 
     def _release(self, layer: _Layer) -> None:
         """Point the parameters back at their host copies; the device copies are freed."""
@@ -421,8 +511,8 @@ class LayerWeightStreamer:
             return
         for key in [t.untyped_storage().data_ptr() for t in layer.device]:  # no loop variable keeps one alive
             self._by_storage.pop(key, None)
-        for p, host in zip(layer.params, layer.host):
-            p.data = host
+        for slot, host in zip(layer.slots, layer.host):
+            slot.set(host)
         layer.device = None
         layer.event = None
         if self._streams is not None:
@@ -518,26 +608,40 @@ class LayerWeightStreamer:
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, _ParamView):
-                self._use(packed.layer)  # loaded by the backward hook; if not (an unusual graph), now
-                assert packed.layer.device is not None
-                return torch.as_strided(packed.layer.device[packed.slot], packed.size, packed.stride, packed.offset)
+                return self._rebuild(packed)
             return outer_unpack(packed) if outer_unpack is not None else packed
 
         return pack, unpack
 
+    def _rebuild(self, view: _ParamView) -> torch.Tensor:
+        """The view of a parameter that backward asks for, from the layer's device copy."""
+        self._use(view.layer)  # loaded by the backward hook; if not (an unusual graph), now
+        assert view.layer.device is not None
+        return torch.as_strided(view.layer.device[view.slot], view.size, view.stride, view.offset)
 
-def _holds(param: nn.Parameter, data: torch.Tensor) -> bool:
-    """Whether ``param.data`` is ``data`` (``param.data`` is a new tensor object at each access: compare
-    storages and offsets)."""
+
+def _holds(current: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``current`` (a parameter's ``.data``, a new tensor object at each access) is ``data``: compare
+    devices, storages and offsets."""
     return (
-        param.device == data.device
-        and param.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-        and param.storage_offset() == data.storage_offset()
+        current.device == data.device
+        and current.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        and current.storage_offset() == data.storage_offset()
     )
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _nodes_near(tensors: Sequence[torch.Tensor], depth: int) -> List[Any]:
+    """The autograd nodes within ``depth`` steps of ``tensors``' ``grad_fn``."""
+    found: List[Any] = []
+    frontier = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    for _ in range(depth):
+        found += frontier
+        frontier = [nxt for node in frontier for nxt, _ in node.next_functions if nxt is not None]
+    return found
 
 
 def _tensors(output: Any) -> List[torch.Tensor]:

@@ -1,0 +1,89 @@
+"""Layer offloading of a QLoRA base: bitsandbytes 4-bit (nf4) decoder linears with LoRA on top, on CPU.
+
+The packed 4-bit weights stream with their quant state (``absmax``, ``code``; with double quantization the
+nested state too), never dequantized; training is bit-identical to the same model without LayerOffload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_training, clone, fit, tiny_qlora_model
+from test_layer_offload import LAYERS, DeviceCopySpy
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
+
+pytest.importorskip("bitsandbytes")
+
+
+def quantized_layer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the decoder layers' frozen parameters as stored: packed 4-bit data plus each quant state's
+    tensors, and the plain frozen parameters (norms)."""
+    from bitsandbytes.nn import Params4bit
+
+    total = 0
+    for p in model.base_model.model.model.layers.parameters():
+        if p.requires_grad:
+            continue
+        total += p.numel() * p.element_size()
+        if isinstance(p, Params4bit):
+            state = p.quant_state
+            tensors = [state.absmax, state.code]
+            if state.nested:
+                tensors += [state.offset, state.state2.absmax, state.state2.code]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    return tiny_qlora_model(str(tmp_path_factory.mktemp("qlora")))
+
+
+@pytest.fixture(scope="module")
+def qlora_reference(qlora):
+    return fit(clone(qlora), max_steps=2)
+
+
+@pytest.mark.parametrize(
+    "others",
+    [
+        [],
+        [ActivationCheckpointing],
+        [lambda: ActivationCheckpointing(selective=True)],
+        [ActivationCheckpointing, lambda: ActivationOffload(hidden_states="cpu", copy_on_host=True)],
+    ],
+    ids=["alone", "full", "selective", "hidden_states"],
+)
+def test_a_4bit_base_streams_exactly(qlora, qlora_reference, others, transfer):
+    from bitsandbytes.nn import Params4bit
+
+    callback = LayerOffload(copy_on_host=True)
+    spy = DeviceCopySpy(callback)
+    run = fit(clone(qlora), [make() for make in others] + [callback, spy], max_steps=2)
+    assert_same_training(qlora_reference, run)
+    quantized = quantized_layer_bytes(qlora)
+    assert callback.last_step == {"loads": 2 * LAYERS, "bytes": 2 * quantized, "max_resident_layers": 2}
+    assert callback.host_bytes == quantized
+    # bitsandbytes' backward keeps the packed weight outside autograd's saved tensors: it is taken out after each
+    # call, so no layer's device copy outlives its forward
+    assert spy.alive_before_backward == [0, 0]
+    layers = run.model.base_model.model.model.layers
+    weights = [p for p in layers.parameters() if isinstance(p, Params4bit)]
+    assert len(weights) == 7 * LAYERS and all(p.dtype == torch.uint8 for p in weights), "still packed"
+    assert all(p.quant_state.absmax.device.type == "cpu" for p in weights)
+
+
+def test_double_quantization_streams_the_nested_state(tmp_path, transfer):
+    base = tiny_qlora_model(str(tmp_path), double_quant=True)
+    reference = fit(clone(base), max_steps=2)
+    callback = LayerOffload(copy_on_host=True)
+    run = fit(clone(base), [ActivationCheckpointing(), callback], max_steps=2)
+    assert_same_training(reference, run)
+    assert callback.last_step["bytes"] == 2 * quantized_layer_bytes(base)
+
+
+def test_no_warning_that_4bit_weights_stay(qlora, caplog, recwarn):
+    fit(clone(qlora), [LayerOffload(copy_on_host=True)], max_steps=1)
+    assert not [w for w in recwarn if "stay on the device" in str(w.message)]
+    assert "frozen parameters of 4/4 decoder layers" in caplog.text
