@@ -10,6 +10,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, lightning; print(torch.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/gpu.txt"
 # 1. correctness and memory on the real stream path (a few minutes at most)
-timeout 240 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
-# 2. the gpu-8k table: ~1B-parameter Llama, bf16, 8k tokens; every mode and anchor, 2 alternating repetitions
-timeout 300 python3 -m lightning_ac.bench --preset gpu-8k --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+# 2. the gpu-8k table: ~1B-parameter Llama, bf16, 8k tokens; every mode and anchor, and the layer-offloading
+#    modes (k = 0 and k = L/4 resident layers) against the same LoRA run; 2 alternating repetitions
+timeout 240 python3 -m lightning_ac.bench --preset gpu-8k --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"

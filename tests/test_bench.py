@@ -129,3 +129,18 @@ def test_an_installed_but_broken_anchor_package_says_so(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     status = bench._availability("trl_offload_only", on_accelerator=True)
     assert status.startswith("unavailable: cannot import trl.models.activation_offloading: ModuleNotFoundError")
+
+
+def test_layer_offloading_modes_compare_with_the_same_lora_run(tmp_path, monkeypatch):
+    """lora_full, layer_offload (resident_layers 0) and layer_offload_resident (L/4): LoRA on the frozen base with
+    full checkpointing; exact against lora_full, and their own table (on CPU the copies run on the host, and no
+    device peak exists to report)."""
+    tiny_preset(monkeypatch, hidden=64)
+    monkeypatch.setitem(bench.PRESETS["tiny"]["model"], "num_hidden_layers", 4)
+    rows = bench.main(["--preset", "tiny", "--modes", "off", *bench.LAYER_OFFLOAD_MODES, "--out", str(tmp_path)])
+    for row in rows:
+        assert row.status == "ok" and row.max_grad_diff == 0.0, row
+    table = (tmp_path / "results.md").read_text()
+    assert "| `layer_offload_resident` | L/4 | — | — |" in table and "vs lora_full" in table
+    main_table = table.split("Layer offloading")[0]
+    assert "`off`" in main_table and "lora_full" not in main_table

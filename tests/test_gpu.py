@@ -212,3 +212,31 @@ def test_layer_offload_trains_a_base_larger_than_the_device_memory_allowed():
     for name, grad in reference.grads.items():
         assert torch.equal(grad, module.grads[name]), name
     assert peak <= limit and callback.last_step["max_resident_layers"] == 2, (peak, limit)
+
+
+def test_layer_offload_streams_a_4bit_base_on_cuda(tmp_path):
+    """Issue 11 item 2 on the real stream path: a QLoRA base (bitsandbytes nf4) streams packed with its quant
+    state; training is bit-identical and the device peak drops by about the quantized decoder layers."""
+    pytest.importorskip("bitsandbytes")
+    from conftest import tiny_qlora_model
+    from test_qlora import quantized_layer_bytes
+
+    from lightning_ac import LayerOffload
+
+    base = tiny_qlora_model(str(tmp_path))
+    quantized = quantized_layer_bytes(base)
+
+    def run(callbacks):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        metrics = StepMetrics(measure_step=1)
+        module = gpu_fit(clone(base), [ActivationCheckpointing(), *callbacks, metrics], max_steps=3)
+        return module, metrics.peak.peak_bytes
+
+    callback = LayerOffload()
+    reference, _ = run([])
+    module, _ = run([callback])
+    assert reference.losses == module.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, module.grads[name]), name
+    assert callback.last_step == {"loads": 8, "bytes": 2 * quantized, "max_resident_layers": 2}

@@ -14,10 +14,19 @@ The core package never imports from here; this package imports the core.
 
 # Re-exported objects are the harness's own (not copies): tests register presets with
 # ``monkeypatch.setitem(bench.PRESETS, ...)`` and the harness must see them.
-from lightning_ac.bench.harness import MODES, PRESETS, Row, main, plot, results_markdown, run_benchmark
+from lightning_ac.bench.harness import (
+    LAYER_OFFLOAD_MODES,
+    MODES,
+    PRESETS,
+    Row,
+    main,
+    plot,
+    results_markdown,
+    run_benchmark,
+)
 
 # Private, but reachable as ``bench._availability`` as before the move (tests call it); the alias marks the
 # re-export as intended.
 from lightning_ac.bench.harness import _availability as _availability  # noqa: E402
 
-__all__ = ["MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
+__all__ = ["LAYER_OFFLOAD_MODES", "MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]

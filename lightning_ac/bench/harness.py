@@ -23,7 +23,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -31,9 +31,9 @@ from torch import nn
 
 from lightning_ac._logging import log
 from lightning_ac.bench.memory import StepMetrics
-from lightning_ac.callbacks import callbacks_from_config
+from lightning_ac.callbacks import ActivationCheckpointing, LayerOffload, callbacks_from_config
 
-__all__ = ["MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
+__all__ = ["LAYER_OFFLOAD_MODES", "MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # A Llama-style model where attention is a large share of each layer: hidden 256, 8 layers, 2k tokens.
@@ -142,9 +142,18 @@ ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "trl_offload_only": _trl_offloader(full=False),
     "trl_offload_full": _trl_offloader(full=True),
 }
+# Layer offloading moves frozen weights, so these modes train LoRA adapters (r=8 on every decoder linear) on the
+# frozen base, with full checkpointing, and compare with the same LoRA run without LayerOffload (``lora_full``): the
+# whole device peak, not the activation peak. The value is LayerOffload's resident_layers ("L/4": a quarter of the
+# decoder layers). On the accelerator by default; asked for on CPU, they run the copies on the host.
+LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
+    "lora_full": None,
+    "layer_offload": "0",
+    "layer_offload_resident": "L/4",
+}
 MODES = {**SUITE_MODES, **ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
-ALL_SUITE_MODES = {**SUITE_MODES, **ACCELERATOR_SUITE_MODES}
+ALL_SUITE_MODES = {**SUITE_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
 ALL_ANCHORS = {**ANCHORS, **ACCELERATOR_ANCHORS}
 
 
@@ -156,8 +165,9 @@ class Row:
     kind: str  # "suite" or "anchor"
     peak_activation_bytes: Optional[int]
     step_time_s: Optional[float]
-    max_grad_diff: Optional[float]
+    max_grad_diff: Optional[float]  # against off; for the layer-offloading modes, against lora_full
     status: str = "ok"
+    peak_device_bytes: Optional[int] = None  # the device allocator's peak (CUDA); the layer-offloading modes' figure
 
 
 class _BenchModule(pl.LightningModule):
@@ -262,6 +272,8 @@ def _run_mode(
     callbacks: List[pl.Callback] = []
     if mode in ALL_ANCHORS:
         ALL_ANCHORS[mode](model)
+    elif mode in LAYER_OFFLOAD_MODES:
+        model, callbacks = _layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     metrics = StepMetrics(measure_step=1 if measure else -1, warmup_steps=2)
@@ -285,6 +297,23 @@ def _run_mode(
     return metrics, module.grads
 
 
+def _layer_offload_mode(
+    model: nn.Module, resident: Optional[str], on_host: bool
+) -> Tuple[nn.Module, List[pl.Callback]]:
+    """A LoRA model on the frozen base, with full checkpointing, and LayerOffload unless ``resident`` is None."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)  # the same adapters in every mode
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+    callbacks: List[pl.Callback] = [ActivationCheckpointing()]
+    if resident is not None:
+        layers = model.config.num_hidden_layers
+        k = layers // 4 if resident == "L/4" else int(resident)
+        callbacks.append(LayerOffload(resident_layers=k, copy_on_host=on_host))
+    return model, callbacks
+
+
 def run_benchmark(
     preset_name: str = "cpu-small",
     modes: Optional[List[str]] = None,
@@ -306,6 +335,7 @@ def run_benchmark(
     if modes is None:
         modes = list(SUITE_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
         modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
+        modes += list(LAYER_OFFLOAD_MODES) if on_accelerator else []
     unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**ALL_SUITE_MODES, **ALL_ANCHORS})}")
@@ -316,6 +346,7 @@ def run_benchmark(
 
     times: Dict[str, List[float]] = {m: [] for m in modes}
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
+    device_peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
     status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     for mode in modes:
@@ -337,15 +368,17 @@ def run_benchmark(
             times[mode].extend(metrics.step_times)
             if rep == 0:
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
+                if metrics.peak is not None and metrics.peak.source == "cuda_allocator":
+                    device_peaks[mode] = metrics.peak.peak_bytes
                 grads[mode] = mode_grads
             print(
                 f"rep {rep} {mode:26s} step {statistics.median(metrics.step_times):.3f} s", file=sys.stderr, flush=True
             )
 
     rows = []
-    reference = grads.get("off")
     for mode in modes:
         diff = None
+        reference = grads.get("lora_full" if mode in LAYER_OFFLOAD_MODES else "off")
         if reference is not None and grads[mode] is not None:
             diff = max(float((grads[mode][n] - g).abs().max()) for n, g in reference.items())
         rows.append(
@@ -356,6 +389,7 @@ def run_benchmark(
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
                 max_grad_diff=diff,
                 status=status[mode],
+                peak_device_bytes=device_peaks[mode],
             )
         )
     return rows
@@ -369,6 +403,8 @@ def results_markdown(rows: List[Row]) -> str:
     """A table with ratios to ``off`` and to ``hf_native_full``."""
     by = {r.mode: r for r in rows}
     off, hf = by.get("off"), by.get("hf_native_full")
+    offloaded = [r for r in rows if r.mode in LAYER_OFFLOAD_MODES]
+    rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES]
     lines = [
         "| mode | kind | activation peak (MiB) | vs off | vs hf_native_full "
         "| step (s) | vs off | vs hf_native_full | max grad diff |",
@@ -386,6 +422,30 @@ def results_markdown(rows: List[Row]) -> str:
             f"{_ratio(r.step_time_s, off and off.step_time_s)} | "
             f"{_ratio(r.step_time_s, hf and hf.step_time_s)} | {diff} |"
         )
+    return "\n".join(lines) + "\n" + (_layer_offload_markdown(offloaded) if offloaded else "")
+
+
+def _layer_offload_markdown(rows: List[Row]) -> str:
+    """The layer-offloading modes against ``lora_full``: whole device peak and step time."""
+    base = next((r for r in rows if r.mode == "lora_full"), None)
+    lines = [
+        "",
+        "Layer offloading (LoRA r=8 on the frozen base, full checkpointing; device peak from the CUDA allocator):",
+        "",
+        "| mode | resident layers | device peak (MiB) | vs lora_full | step (s) | vs lora_full | max grad diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        peak = f"{r.peak_device_bytes / 2**20:.1f}" if r.peak_device_bytes is not None else "—"
+        step = f"{r.step_time_s:.3f}" if r.step_time_s is not None else "—"
+        diff = f"{r.max_grad_diff:.1e}" if r.max_grad_diff is not None else "—"
+        if r.status != "ok":
+            step = r.status
+        resident = LAYER_OFFLOAD_MODES[r.mode] or "—"
+        lines.append(
+            f"| `{r.mode}` | {resident} | {peak} | {_ratio(r.peak_device_bytes, base and base.peak_device_bytes)} | "
+            f"{step} | {_ratio(r.step_time_s, base and base.step_time_s)} | {diff} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -398,6 +458,8 @@ def plot(rows: List[Row], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for r in rows:
+        if r.mode in LAYER_OFFLOAD_MODES:
+            continue  # another model (LoRA) and another figure (the whole device peak): their own table
         if r.peak_activation_bytes is None or r.step_time_s is None:
             continue
         anchor = r.kind == "anchor"
@@ -463,13 +525,15 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
 
         seq = args.seq or PRESETS[preset]["seq"]
         batch = args.batch or PRESETS[preset]["batch"]
-        # the scaling check: measure every mode's peak at half the sequence too
-        modes = [r.mode for r in rows if r.status == "ok"]
+        # the scaling check: measure every mode's peak at half the sequence too (activation modes: the layer
+        # offloading modes train another model, LoRA, and save weights, not activations)
+        planned_rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES]
+        modes = [r.mode for r in planned_rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
-        errors = scaling_errors(rows, half)
+        errors = scaling_errors(planned_rows, half)
         planned = (args.plan_seq or seq) * batch
         budget = int(args.budget_gib * 2**30)
-        advice = explain(plan_mode(rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
+        advice = explain(plan_mode(planned_rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
         print(advice)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
