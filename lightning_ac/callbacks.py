@@ -301,10 +301,10 @@ class ActivationOffload(SuiteCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._plan is not None and self._plan.activation_offload is not None:
-            if self._step.begin(trainer):
-                self._totals = _no_transfers()
-            self._plan.activation_offload.start_step()
+        # the runtime's step itself starts with the training step (Plan), which an on_train_batch_start of the
+        # LightningModule returning -1 skips
+        if self._plan is not None and self._plan.activation_offload is not None and self._step.begin(trainer):
+            self._totals = _no_transfers()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -211,13 +211,14 @@ class Plan:
         assert self.module is not None and self.device is not None
         cfg = self.config
         self.layers = layers
-        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + (_DDP_IGNORE,))
+        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + (_DDP_IGNORE, "training_step"))
         modules = layers.modules
         try:
             if self._offload_here:
                 assert self.activation_offload_request is not None
                 self.activation_offload = ActivationOffloadRuntime(self.activation_offload_request, self.device)
                 self.activation_offload.install(self.module, output_heads=layers.output_heads())
+                self._start_offload_with_the_training_step()
             if self.layer_offload_request is not None:
                 self._install_weight_streamer(modules)
             if cfg.enabled:
@@ -234,6 +235,24 @@ class Plan:
         if parts:
             rank_zero_info("; ".join(parts))
         self._log_weight_streamer()
+
+    def _start_offload_with_the_training_step(self) -> None:
+        """The offload runtime's step (``offload.all``'s saved-tensor hooks) starts when the training step does, not
+        at ``on_train_batch_start``: a LightningModule whose ``on_train_batch_start`` returns -1 skips the step and
+        the rest of the epoch, and nothing of ours may stay hooked through ``on_train_epoch_end`` and validation.
+        The step ends at ``on_train_batch_end``, after backward and the optimizer step."""
+        module, runtime = self.module, self.activation_offload
+        if not _is_lightning_module(module) or runtime is None:
+            return
+        original = module.training_step
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if not runtime.in_step:  # a closure an optimizer calls again (LBFGS) is the same step
+                runtime.start_step()
+            return original(*args, **kwargs)
+
+        module.training_step = training_step  # type: ignore[method-assign]
 
     def _install_recompute(self, layers: DecoderLayers) -> None:
         """Checkpoint the decoder layers with the engine the block names, and the policy and checkpoint

@@ -162,6 +162,38 @@ def test_nothing_left_pushed_after_exception(llama_reference, transfer):
     assert torch.equal(y.grad_fn._saved_self, x)
 
 
+class SkipsTheRestOfTheEpoch(LM):
+    """Lightning's on_train_batch_start returning -1: the batch is not trained and the epoch ends."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.hooked: dict = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.hooked[f"batch {batch_idx} start"] = _saved_tensor_hooks_active()
+        return -1 if batch_idx == 1 else None
+
+    def on_train_epoch_end(self):
+        self.hooked["epoch end"] = _saved_tensor_hooks_active()
+
+    def validation_step(self, batch, batch_idx):
+        self.hooked["validation"] = _saved_tensor_hooks_active()
+
+
+def _saved_tensor_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def test_hooks_are_in_force_only_during_the_training_step(llama_reference, transfer):
+    base, _ = llama_reference
+    module = SkipsTheRestOfTheEpoch(clone(base))
+    callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    make_trainer([callback], max_steps=3, max_epochs=1, limit_val_batches=1).fit(module, batches(), batches())
+    assert len(module.losses) == 1, "batch 0 trained, batch 1 skipped the rest of the epoch"
+    assert module.hooked == {"batch 0 start": False, "batch 1 start": False, "epoch end": False, "validation": False}
+    assert callback.last_step["all"]["tensors"] > 0
+
+
 def test_cpu_trainer_without_copy_on_host_does_nothing(llama_reference, caplog):
     base, reference = llama_reference
     callback = ActivationOffload(hidden_states="cpu")
