@@ -42,7 +42,11 @@ def _to_plain(mapping: Any) -> Dict[str, Any]:
     except ImportError:  # pragma: no cover
         pass
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"migrate_legacy expects a mapping, got {type(mapping).__name__}")
+        raise ConfigError(
+            f"migrate_legacy(config): expected the training config as a mapping (dict or DictConfig) that may hold "
+            f"the legacy keys ({', '.join(LEGACY_KEYS)}), got {type(mapping).__name__} {mapping!r:.80}. Pass the "
+            "whole config, e.g. migrate_legacy({'gradient_checkpointing': True}) or migrate_legacy(cfg)."
+        )
     return copy.deepcopy(dict(mapping))
 
 
@@ -210,6 +214,23 @@ _REWRITERS: Tuple[Tuple[str, Callable[[_Migration, Any], None]], ...] = (
 )
 
 
+# Fields of the migrated block and the legacy keys their values came from, most specific first.
+_LEGACY_FIELDS = (
+    ("activation_checkpointing.reentrant", "gradient_checkpointing_kwargs.use_reentrant"),
+    ("activation_checkpointing.kwargs", "gradient_checkpointing_kwargs"),
+    ("activation_checkpointing.selective", "selective_checkpointing"),
+)
+
+
+def _in_legacy_terms(message: str, present: List[str]) -> str:
+    """A ConfigError about the migrated block, reworded to name the legacy key the user wrote."""
+    for new, legacy in _LEGACY_FIELDS:
+        if message.startswith(new):
+            field_name = message.split(":", 1)[0]
+            return f"{message.replace(new, legacy)} (in the activation_checkpointing block: {field_name})"
+    return f"migrating {', '.join(present)}: {message}"
+
+
 def _pop_legacy(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Remove every legacy key from ``cfg`` (in place) and return their values, ``None`` for keys not set."""
     values = {key: cfg.pop(key, None) for key in LEGACY_KEYS if key != _FSDP_AC}
@@ -239,7 +260,7 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
             ``activation_offloading: hidden_states`` without ``gradient_checkpointing``,
             ``gradient_checkpointing`` together with ``fsdp_config.activation_checkpointing``), and for a
             deprecated key set next to ``activation_checkpointing``.
-        TypeError: If ``mapping`` is not a mapping.
+            Also if ``mapping`` is not a mapping. Errors in a migrated value name the legacy key it came from.
 
     Warns:
         LegacyConfigWarning: Once, printing the replacement block as YAML.
@@ -261,7 +282,10 @@ def migrate_legacy(mapping: Any) -> Dict[str, Any]:
         rewrite(state, values[key])
     new = state.result()
 
-    parse_config(new)  # combinations the block rejects (e.g. offload.all with offload.hidden_states) fail here
+    try:
+        parse_config(new)  # values and combinations the block rejects fail here
+    except ConfigError as err:
+        raise ConfigError(_in_legacy_terms(str(err), present)) from None
     cfg["activation_checkpointing"] = new
     message = (
         f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} deprecated and will be removed in a future "

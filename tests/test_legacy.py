@@ -215,3 +215,31 @@ def test_legacy_offload_flags_are_parsed_not_truthy(legacy, block):
 def test_legacy_integers_are_not_booleans():
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         migrate_legacy({"gradient_checkpointing": 1})
+
+
+@pytest.mark.parametrize(
+    "legacy, starts",
+    [
+        (
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": "maybe"}},
+            "gradient_checkpointing_kwargs.use_reentrant: expected true, false or null, got 'maybe'",
+        ),
+        (
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 0}},
+            "gradient_checkpointing_kwargs.every_n_layers: expected an integer >= 1",
+        ),
+        ({"gradient_checkpointing": True, "selective_checkpointing": {"bogus": 1}}, "selective_checkpointing: unknown"),
+    ],
+)
+def test_errors_in_migrated_values_name_the_legacy_key(legacy, starts):
+    with pytest.raises(ConfigError) as info:
+        migrate_legacy(legacy)
+    message = str(info.value)
+    assert message.startswith(starts), message
+    assert "in the activation_checkpointing block: activation_checkpointing." in message
+
+
+@pytest.mark.parametrize("config", ["a string", 3, ["gradient_checkpointing"]])
+def test_a_config_that_is_not_a_mapping_is_a_config_error(config):
+    with pytest.raises(ConfigError, match=r"migrate_legacy\(config\): expected the training config as a mapping"):
+        migrate_legacy(config)
