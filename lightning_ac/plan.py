@@ -197,7 +197,13 @@ class Plan:
     def _offload_wanted(self) -> bool:
         """Whether any offload target is set and can do something on this device."""
         request = self.activation_offload_request
-        if request is None or not request.offload.targets:
+        if request is None:
+            return False
+        if not request.offload.targets:
+            rank_zero_warn(
+                "ActivationOffload() has no target, so nothing is offloaded. Pass hidden_states='cpu', selective='cpu' "
+                "or all='cpu' (Hydra: activation_checkpointing.offload.<target>: cpu), or remove the callback."
+            )
             return False
         if self.device is not None and self.device.type == "cpu" and not request.copy_on_host:
             rank_zero_info(

@@ -21,7 +21,7 @@ from conftest import (
 )
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LightningACWarning
 from lightning_ac.offload import HostMemoryError, TransferEngine
 from lightning_ac.offload.activations import SavedTensorOffloader
 
@@ -455,3 +455,9 @@ def test_callbacks_can_be_copied_and_pickled_during_a_run(llama_reference):
     assert_same_training(reference, run)
     assert len(copies) == 4 and all(c.plan is None for c in copies)
     assert copies[2].request == suite[1].request and copies[2].last_step == suite[1].last_step
+
+
+def test_an_offload_callback_without_a_target_says_so(llama_reference):
+    base, _ = llama_reference
+    with pytest.warns(LightningACWarning, match=r"ActivationOffload\(\) has no target, so nothing is offloaded"):
+        fit(clone(base), [ActivationOffload(copy_on_host=True)])
