@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
+from modes import mode_label  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
 
 from lightning_ac import (  # noqa: E402
@@ -82,6 +83,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             "model.config.vocab_size: the example trains on bytes, so it needs >= 256, "
             f"got {cfg.model.config.vocab_size}."
         )
+    legacy = find_legacy_keys(OmegaConf.to_container(cfg, resolve=True))
     data = resolve_block(cfg)
     block = parse_config(data.get("activation_checkpointing"))
     callbacks = callbacks_from_config(
@@ -110,6 +112,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     peak = metrics.peak
     summary = {
         **_job_identity(),
+        # what ran, labelled from the resolved block (a legacy key under the default "off" option recomputes)
+        "mode": mode_label(block, HydraConfig.get().runtime.choices.get("activation_checkpointing"), bool(legacy)),
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
         "layer_offloading_resident_layers": data.get("layer_offloading_resident_layers", 0),

@@ -200,6 +200,28 @@ def test_legacy_key_is_migrated_with_warning(tmp_path):
     block = summary(tmp_path)["activation_checkpointing"]
     assert block["enabled"] is True and block["reentrant"] is True
     assert "checkpointing 2/2 decoder layers (hf, reentrant)" in output
+    assert summary(tmp_path)["mode"] == "custom (from legacy keys)", "not the default option's 'off'"
+
+
+@pytest.mark.parametrize(
+    "block, choice, legacy, label",
+    [
+        (True, "off", True, "full"),  # +gradient_checkpointing=true under the default option: it recomputes
+        ({"offload": {"all": "cpu"}}, "off", True, "offload_all"),  # +gradient_checkpointing=offload
+        ({"reentrant": True}, "off", True, "custom (from legacy keys)"),
+        ({"kwargs": {"every_n_layers": 2}}, "full", False, "every_2"),  # an override that makes another option
+        ({"kwargs": {"every_n_layers": 3}}, "full", False, "custom (full with overrides)"),
+        (False, "off", False, "off"),
+        ({"selective": True}, "full", False, "selective_attn"),
+    ],
+)
+def test_the_mode_label_comes_from_the_resolved_block(block, choice, legacy, label):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from modes import mode_label
+
+    from lightning_ac.config import parse_config
+
+    assert mode_label(parse_config(block), choice, legacy) == label
 
 
 def test_multirun_writes_sweep_summary(tmp_path):

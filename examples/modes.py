@@ -1,0 +1,42 @@
+"""The name a run goes by in summaries and sweeps: the activation_checkpointing option whose block it ran."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Dict
+
+from omegaconf import OmegaConf
+
+from lightning_ac import ActivationCheckpointingConfig
+from lightning_ac.config import config_to_dict, parse_config
+
+OPTIONS = Path(__file__).resolve().parents[1] / "conf" / "activation_checkpointing"
+
+
+@functools.lru_cache(maxsize=1)
+def option_blocks() -> Dict[str, Dict[str, Any]]:
+    """Each ``activation_checkpointing`` option's block, resolved as the job resolves it (schema defaults first)."""
+    schema = OmegaConf.structured(ActivationCheckpointingConfig)
+    blocks = {}
+    for path in sorted(OPTIONS.glob("*.yaml")):
+        raw = OmegaConf.load(path)
+        raw.pop("defaults", None)
+        merged = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
+        blocks[path.stem] = config_to_dict(parse_config(merged))
+    return blocks
+
+
+def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
+    """What ran, by option name: the chosen option if the resolved block is its block; else the option whose
+    block it is (a legacy key, an override or a nested group can make it another); else ``custom``, saying what
+    the block came from. A legacy key such as ``gradient_checkpointing: true`` under the default ``off`` option
+    is labelled by what it does (``full``), not by the option it replaced."""
+    resolved = config_to_dict(block)
+    options = option_blocks()
+    if not from_legacy_keys and options.get(choice) == resolved:
+        return choice
+    match = next((name for name, option in options.items() if option == resolved), None)
+    if match is not None:
+        return match
+    return "custom (from legacy keys)" if from_legacy_keys else f"custom ({choice} with overrides)"
