@@ -13,7 +13,14 @@ from typing import List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["DecoderLayers", "LayerSpec", "compiled_layers", "describe_compiled", "find_decoder_layers"]
+__all__ = [
+    "DecoderLayers",
+    "LayerSpec",
+    "compiled_layers",
+    "describe_compiled",
+    "find_decoder_layers",
+    "transformers_models",
+]
 
 LayerSpec = Union[str, Type[nn.Module]]
 
@@ -47,6 +54,14 @@ class DecoderLayers:
     def modules(self) -> List[nn.Module]:
         """The layer modules, in execution order."""
         return [m for _, m in self.layers]
+
+    @property
+    def noun(self) -> str:
+        """What the layers are, for log lines: ``decoder layers``, or ``encoder and decoder layers`` when a model
+        is an encoder-decoder (T5, BART), whose encoder blocks are found too."""
+        if any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) for m in self.hf_models):
+            return "encoder and decoder layers"
+        return "decoder layers"
 
     def output_heads(self) -> List[nn.Module]:
         """The output heads (``lm_head``) of the transformers models that own the layers."""
@@ -118,6 +133,14 @@ def _matches(name: str, module: nn.Module, specs: Sequence[LayerSpec]) -> bool:
         elif fnmatch.fnmatchcase(name, spec):
             return True
     return False
+
+
+def transformers_models(root: nn.Module) -> List[str]:
+    """Class names of the transformers models under ``root`` (for messages)."""
+    PreTrainedModel, _ = _hf_classes()
+    if PreTrainedModel is None:
+        return []
+    return sorted({type(m).__name__ for m in root.modules() if isinstance(m, PreTrainedModel)})
 
 
 def find_decoder_layers(root: nn.Module, layers: Optional[Sequence[LayerSpec]] = None) -> DecoderLayers:

@@ -33,7 +33,13 @@ from lightning_ac.config import (
     merge_requests,
 )
 from lightning_ac.journal import ModuleJournal
-from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
+from lightning_ac.layers import (
+    DecoderLayers,
+    compiled_layers,
+    describe_compiled,
+    find_decoder_layers,
+    transformers_models,
+)
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 from lightning_ac.report import LayerRow
@@ -96,6 +102,8 @@ class Plan:
         self._deferred = False
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
         self._precision = ""
+        self._fitting = True  # trainer.fit (validate, test and predict run no backward)
+        self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
 
     @property
@@ -136,6 +144,8 @@ class Plan:
         self.module = module
         self.device = trainer.strategy.root_device
         self._precision = str(trainer.precision)
+        self._fitting = trainer.state.fn == "fit"
+        self._stage = str(trainer.state.fn.value if trainer.state.fn is not None else "run")
         self._offload_here = self._offload_wanted()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
             if not self._offload_here:
@@ -172,9 +182,27 @@ class Plan:
 
     def _no_layers_error(self, module: nn.Module) -> ConfigError:
         name = "ActivationCheckpointing" if self.checkpointing_request is not None else "LayerOffload"
+        where = type(module).__name__
+        if self.layer_spec is not None:
+            shown = [s.__name__ if isinstance(s, type) else repr(s) for s in self.layer_spec]
+            names = [n for n, _ in module.named_modules() if n and n.count(".") <= 2][:8]
+            example = f"{names[-1]}.*" if names else "model.layers.*"
+            return ConfigError(
+                f"{name}(layers=[{', '.join(shown)}]) matched no module in {where}. A class matches its instances, "
+                "a string is a glob over qualified module names; the module names here start with: "
+                f"{', '.join(names) or '(no submodules)'}. Fix layers=..., e.g. layers=['{example}']."
+            )
+        models = transformers_models(module)
+        if models:
+            return ConfigError(
+                f"{name} found no decoder layers in {where}: it contains the transformers model(s) "
+                f"{', '.join(models)}, whose layers transformers cannot checkpoint (they are not "
+                "GradientCheckpointingLayer instances), so they are not found on their own. Name them with "
+                "layers=[<layer class>] or layers=['<module name glob>']."
+            )
         return ConfigError(
-            f"{name} found no decoder layers in {type(module).__name__}: it finds transformers "
-            "models (plain or PEFT-wrapped) on its own. For other models pass layers=[<layer class>] or "
+            f"{name} found no decoder layers in {where}: it finds the layers of transformers models (plain or "
+            "PEFT-wrapped) on its own, and this module holds none. For other models pass layers=[<layer class>] or "
             "layers=['<module name glob>'], e.g. layers=['model.blocks.*']."
         )
 
@@ -234,10 +262,16 @@ class Plan:
             self.remove()
             raise
         parts = []
-        if cfg.enabled:
-            parts.append(f"checkpointing {sum(self.recomputed)}/{len(modules)} decoder layers ({self._describe()})")
-        if self.activation_offload is not None:
-            parts.append(self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed"))
+        if not self._fitting:
+            if cfg.enabled or self.activation_offload is not None:
+                # installed all the same (removed at teardown), but there is no backward to recompute for
+                rank_zero_info(f"{self._stage}: nothing is recomputed or offloaded (no backward)")
+        else:
+            if cfg.enabled:
+                counted = f"{sum(self.recomputed)}/{len(modules)} {layers.noun}"
+                parts.append(f"checkpointing {counted} ({self._describe()})")
+            if self.activation_offload is not None:
+                parts.append(self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed"))
         if parts:
             rank_zero_info("; ".join(parts))
         self._log_weight_streamer()
@@ -346,7 +380,7 @@ class Plan:
         streamer = self.weight_streamer
         if streamer is None:
             return
-        rank_zero_info(streamer.describe())
+        rank_zero_info(streamer.describe(self.layers.noun if self.layers is not None else "decoder layers"))
         streamed, kept = streamer.streamed_bytes, streamer.kept_frozen_bytes()
         if kept > streamed:
             rank_zero_warn(

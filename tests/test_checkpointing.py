@@ -452,3 +452,38 @@ def test_layers_created_in_lightning_module_setup():
     make_trainer([ActivationCheckpointing()]).fit(module, batches())
     assert module.backward_ops[MM] == 82
     assert "configure_model" not in module.__dict__
+
+
+def test_layers_that_match_nothing_are_echoed_with_the_module_names():
+    module = LM(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(
+        ConfigError, match=r"ActivationCheckpointing\(layers=\['blocks\.\*'\]\) matched no module.*: model"
+    ):
+        make_trainer([ActivationCheckpointing(layers=["blocks.*"])]).fit(module, batches())
+
+
+def test_a_transformers_model_without_checkpointable_layers_is_named():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    config = AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64)  # fmt: skip
+    module = LM(AlbertForMaskedLM(config))
+    with pytest.raises(ConfigError, match="contains the transformers model.*AlbertForMaskedLM.*cannot checkpoint"):
+        make_trainer([ActivationCheckpointing()]).fit(module, batches())
+
+
+def test_an_encoder_decoder_model_counts_encoder_and_decoder_layers(caplog):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2,
+                      decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    fit(T5ForConditionalGeneration(config), [ActivationCheckpointing()])
+    assert "checkpointing 4/4 encoder and decoder layers (hf, non-reentrant)" in caplog.text
+
+
+def test_validate_says_nothing_is_recomputed(llama, caplog):
+    module = LM(llama)
+    module.validation_step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss
+    make_trainer([ActivationCheckpointing()]).validate(module, batches(), verbose=False)
+    assert "validate: nothing is recomputed or offloaded (no backward)" in caplog.text
+    assert "checkpointing 4/4" not in caplog.text

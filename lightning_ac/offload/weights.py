@@ -185,14 +185,14 @@ class LayerWeightStreamer:
         """Every parameter this streamer moves."""
         return [p for layer in self.layers for p in layer.params]
 
-    def describe(self) -> str:
-        """What moves, as the log line says it."""
+    def describe(self, noun: str = "decoder layers") -> str:
+        """What moves, as the log line says it (``noun``: what the layers are)."""
         with_params = [layer for layer in self.layers if layer.params]
         where = "copies on host" if self.device.type == "cpu" else str(self.device)
         resident = sum(self.resident)
         kept = f"; {resident} resident on the device" if resident else ""
         return (
-            f"layer offloading: frozen parameters of {len(with_params)}/{len(self.layers)} decoder layers "
+            f"layer offloading: frozen parameters of {len(with_params)}/{len(self.layers)} {noun} "
             f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time{kept}"
         )
 
