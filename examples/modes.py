@@ -9,7 +9,7 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from lightning_ac import ActivationCheckpointingConfig
-from lightning_ac.config import config_to_dict, parse_config
+from lightning_ac.config import config_to_dict
 
 OPTIONS = Path(__file__).resolve().parents[1] / "conf" / "activation_checkpointing"
 
@@ -22,8 +22,9 @@ def option_blocks() -> Dict[str, Dict[str, Any]]:
     for path in sorted(OPTIONS.glob("*.yaml")):
         raw = OmegaConf.load(path)
         raw.pop("defaults", None)
-        merged = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
-        blocks[path.stem] = config_to_dict(parse_config(merged))
+        # merged over the schema, an option is already in the form config_to_dict gives a parsed block (the
+        # options are valid; the job parses the user's block once, and nothing else)
+        blocks[path.stem] = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
     return blocks
 
 

@@ -56,6 +56,8 @@ __all__ = ["Plan"]
 # offloading (whole parameters) cannot work on. isinstance, so that a user's subclass counts too.
 _FSDP_STRATEGIES = (FSDPStrategy, ModelParallelStrategy)
 _SHARDING_STRATEGIES = (*_FSDP_STRATEGIES, DeepSpeedStrategy)
+# Precision plugins whose convert_module swaps modules (new parameters) after Callback.setup.
+_MODULE_REPLACING_PRECISIONS = ("BitsandbytesPrecision", "TransformerEnginePrecision")
 # What DDP (and Lightning's state sync outside fit) leave out of the broadcast of the module's state at setup.
 _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
 
@@ -127,6 +129,15 @@ class Plan:
                     f"layer_offloading: true moves whole frozen parameters to host memory, but {name} shards "
                     "them. Use the strategy's own CPU offload (FSDP's CPUOffloadPolicy, DeepSpeed's offload_param) "
                     "and set layer_offloading: false."
+                )
+            precision = type(strategy.precision_plugin).__name__
+            if precision in _MODULE_REPLACING_PRECISIONS:
+                raise ConfigError(
+                    f"layer_offloading: true moves the frozen weights to host memory in setup, but {precision} "
+                    "replaces the model's linear layers with new ones after that (in the strategy's setup), which "
+                    "would then sit on the device whole while the old weights stream. Quantize the model before "
+                    "training instead (transformers' BitsAndBytesConfig: a 4-bit base streams as it is), or set "
+                    "layer_offloading: false."
                 )
             if strategy.root_device.type == "cpu" and not self.layer_offload_request.copy_on_host:
                 raise ConfigError(

@@ -6,6 +6,7 @@ the whole path but the streams; the CUDA path has gpu-marked tests in test_gpu.p
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import lightning.pytorch as pl
@@ -246,17 +247,24 @@ def test_the_strategy_never_places_streamed_weights(lora_llama, transfer):
         assert transfer.peak_bytes["layer weights"] == 2 * frozen // LAYERS
 
 
-def test_a_dtype_conversion_of_the_module_converts_the_host_copies(lora_llama):
+def test_a_dtype_conversion_of_the_module_converts_the_host_copies(lora_llama, transfer):
     """bf16-true precision converts the module with model.to(torch.bfloat16) at setup, after the weights went to
-    host memory: they are converted there, and training is exact."""
+    host memory: they are converted there (into one new buffer per layer; the float32 buffers are unpinned), and
+    training is exact."""
     reference = fit(clone(lora_llama), max_steps=2, precision="bf16-true")
     module = LM(clone(lora_llama))
     callback = layer_offload()
-    make_trainer([callback], max_steps=2, precision="bf16-true").fit(module, batches())
+    pinned = []
+    at_start = pl.Callback()
+    if transfer is not None:
+        at_start.on_train_start = lambda trainer, pl_module: pinned.extend(transfer.pinned_in_place.values())
+    make_trainer([callback, at_start], max_steps=2, precision="bf16-true").fit(module, batches())
     assert reference.losses == module.losses
     for name, grad in reference.grads.items():
         assert torch.equal(grad, module.grads[name]), name
     assert callback.host_bytes == frozen_layer_bytes(lora_llama) // 2, "bfloat16 copies in host memory"
+    if transfer is not None:  # the simulated device: what stays page-locked during the run
+        assert len(pinned) == LAYERS and sum(pinned) <= callback.host_bytes + LAYERS * 64 * 16, pinned
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())
 
 
@@ -649,3 +657,51 @@ def test_callbacks_from_config_passes_resident_layers():
     assert callback.request.resident_layers == 2
     with pytest.raises(ConfigError, match="resident_layers"):
         callbacks_from_config(False, layer_offloading=True, layer_offloading_resident_layers="2")
+
+
+def test_a_precision_plugin_that_replaces_the_linears_is_refused(lora_llama):
+    from lightning.pytorch.plugins.precision import BitsandbytesPrecision
+
+    module = LM(clone(lora_llama))
+    fingerprint = model_fingerprint(module)
+    with pytest.raises(ConfigError, match="BitsandbytesPrecision replaces the model's linear layers"):
+        trainer = make_trainer([layer_offload()])
+        # the plugin itself refuses a CPU trainer: put it in place the way a CUDA trainer holds it
+        trainer.strategy.precision_plugin = BitsandbytesPrecision(mode="nf4")
+        trainer.fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+class CopiesTheModule(pl.Callback):
+    """A deep copy of the module during the run, converted (as StochasticWeightAveraging does with its copy)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.copy = copy.deepcopy(pl_module).double()
+
+
+def test_a_copy_of_the_module_is_its_own_and_converts_alone(lora_llama):
+    module = LM(clone(lora_llama))
+    spy = CopiesTheModule()
+    make_trainer([layer_offload(), spy], max_steps=1).fit(module, batches())
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad and ".layers." in n]
+    assert {dict(module.named_parameters())[n].dtype for n in frozen} == {torch.float32}, "the original is untouched"
+    assert {dict(spy.copy.named_parameters())[n].dtype for n in frozen} == {torch.float64}, "the copy converted"
+
+
+def test_a_parameter_unfrozen_since_install_is_converted_with_its_module():
+    from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2))).requires_grad_(False)
+    streamer = LayerWeightStreamer(list(blocks), frozen_layer_parameters(list(blocks)), torch.device("cpu"),
+                                   copy_on_host=True)  # fmt: skip
+    streamer.install()
+    try:
+        blocks[0].weight.requires_grad_(True)
+        blocks(torch.randn(1, 4))  # the load sees it train: it leaves the stream
+        before = [b.weight.detach().clone() for b in blocks]
+        blocks._apply(lambda t: t.add(1))  # a conversion: the unfrozen weight takes part, the streamed one sits out
+        assert torch.equal(blocks[0].weight, before[0] + 1)
+        assert torch.equal(blocks[1].weight, before[1])
+    finally:
+        streamer.close()

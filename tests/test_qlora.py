@@ -6,6 +6,8 @@ nested state too), never dequantized; training is bit-identical to the same mode
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import assert_same_training, clone, fit, tiny_qlora_model
@@ -87,3 +89,41 @@ def test_no_warning_that_4bit_weights_stay(qlora, caplog, recwarn):
     fit(clone(qlora), [LayerOffload(copy_on_host=True)], max_steps=1)
     assert not [w for w in recwarn if "stay on the device" in str(w.message)]
     assert "frozen parameters of 4/4 decoder layers" in caplog.text
+
+
+class BackwardSpy(DeviceCopySpy):
+    """Also records, as backward reaches each layer, how many device copies are alive, and at each step's start
+    how many of bitsandbytes' 4-bit backward nodes are still alive (a graph kept by a hook of ours)."""
+
+    def __init__(self, callback):
+        super().__init__(callback)
+        self.alive_in_backward: list = []
+        self.nodes_at_start: list = []
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        streamer = self.callback.plan.weight_streamer
+        original = streamer._backward_reached
+
+        def reached(layer):
+            original(layer)
+            self.alive_in_backward.append(sum(not ref.expired() for ref in self.refs))
+
+        streamer._backward_reached = reached
+        self.slots_per_layer = len(streamer.layers[0].slots)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        gc.collect()
+        self.nodes_at_start.append(sum(type(o).__name__ == "MatMul4BitBackward" for o in gc.get_objects()))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_4bit_backward_keeps_nothing_alive(qlora, checkpointing):
+    """The packed weight rebuilt for a 4-bit node's backward is let go right after it: no layer's copy piles up as
+    backward goes on, and no graph outlives its step."""
+    callback = LayerOffload(copy_on_host=True)
+    spy = BackwardSpy(callback)
+    fit(clone(qlora), [*([ActivationCheckpointing()] if checkpointing else []), callback, spy], max_steps=3)
+    assert spy.nodes_at_start == [0, 0, 0]
+    assert spy.alive_in_backward and max(spy.alive_in_backward) <= 2 * spy.slots_per_layer, spy.alive_in_backward

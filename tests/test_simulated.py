@@ -225,3 +225,20 @@ def test_closing_after_an_exception_waits_for_the_copies_in_flight():
         streamer.close()
     for block, weight in zip(blocks, expected):
         assert torch.equal(block.weight, weight)
+
+
+def test_a_new_host_buffer_waits_for_copies_still_reading_the_old_one():
+    """A dtype conversion gives each streamed layer a new host buffer and unpins the old one; a prefetch released
+    unused (after a failed step) may still be copying from it, so the unpin waits for the copies first."""
+    blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).requires_grad_(False)
+    expected = [b.weight.detach().double() for b in blocks]
+    with SimulatedDevice() as sim:
+        streamer = LayerWeightStreamer(list(blocks), frozen_layer_parameters(list(blocks)), torch.device("cpu"))
+        streamer.install()
+        blocks[0](torch.randn(2, 8))  # its post hook starts copying block 1 in
+        streamer.start_step()  # released unused, as after a failed step: the copy is still pending
+        blocks.to(torch.float64)
+        assert sorted(sim.pinned_in_place.values()) == [(8 * 8 + 8) * 8] * 3, "one float64 buffer per layer"
+        streamer.close()
+    for block, weight in zip(blocks, expected):
+        assert torch.equal(block.weight, weight)

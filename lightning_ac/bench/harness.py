@@ -309,7 +309,7 @@ def _layer_offload_mode(
     callbacks: List[pl.Callback] = [ActivationCheckpointing()]
     if resident is not None:
         layers = model.config.num_hidden_layers
-        k = layers // 4 if resident == "L/4" else int(resident)
+        k = max(1, layers // 4) if resident == "L/4" else int(resident)
         callbacks.append(LayerOffload(resident_layers=k, copy_on_host=on_host))
     return model, callbacks
 

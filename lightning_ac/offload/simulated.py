@@ -188,6 +188,7 @@ class SimulatedDevice(AsyncDevice):
         peak_bytes: Per allocation kind (the role up to ``:``), the most device bytes held at once.
         peak_in_flight: Per stream name, the most copies issued and not yet run.
         copies: Copies run.
+        pinned_in_place: Host buffers page-locked in place and not yet unpinned: data pointer -> bytes.
     """
 
     def __init__(self) -> None:
@@ -199,6 +200,7 @@ class SimulatedDevice(AsyncDevice):
         self._stats = _Stats()
         self._errors: List[str] = []
         self._previous: Optional[AsyncDevice] = None
+        self.pinned_in_place: Dict[int, int] = {}
 
     # -- activation ---------------------------------------------------------------------------------------
 
@@ -321,7 +323,19 @@ class SimulatedDevice(AsyncDevice):
         return tensor
 
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
+        self.pinned_in_place[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
         return buffer
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        if self.pinned_in_place.pop(buffer.data_ptr(), None) is None:
+            self._fail("unpin of a buffer that is not pinned in place")
+        key = _storage_key(buffer)
+        if any(_storage_key(p.src) == key for s in self.streams for p in s.pending_copies()):
+            self._fail(
+                "a host buffer was unpinned while a pending copy reads it: on a device the DMA would read memory "
+                "that is no longer page-locked"
+            )
+        self._raise_errors()
 
     # -- the device's side of things ----------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -112,6 +114,7 @@ class _Layer:
     params: List[nn.Parameter]
     slots: List[_Slot] = field(default_factory=list)  # what moves for ``params``, in order
     host: List[torch.Tensor] = field(default_factory=list)  # each slot's tensor between uses
+    buffer: Optional[torch.Tensor] = None  # the host buffer ``host`` slices
     device: Optional[List[torch.Tensor]] = None  # each slot's device copy while the layer is loaded
     event: Any = None  # accelerator event: the host -> device copy has finished
     nbytes: int = 0
@@ -274,10 +277,23 @@ class LayerWeightStreamer:
                 continue
             view = _ParamView(found[0], found[1], weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
             node.tensors = (kept[0], None)
-            node.register_prehook(functools.partial(self._restore_kept_weight, node, view))
+            # weak: a hook holding its own node would keep the graph (and what it rebuilt) alive for ever
+            ref = weakref.ref(node)
+            node.register_prehook(functools.partial(self._restore_kept_weight, ref, view))
+            node.register_hook(functools.partial(self._drop_kept_weight, ref))
 
-    def _restore_kept_weight(self, node: Any, view: _ParamView, grad_outputs: Any) -> None:
-        node.tensors = (node.tensors[0], self._rebuild(view))
+    def _restore_kept_weight(self, ref: Any, view: _ParamView, grad_outputs: Any) -> None:
+        """Just before the node's backward: the packed weight, from the reloaded device copy."""
+        node = ref()
+        if node is not None:
+            node.tensors = (node.tensors[0], self._rebuild(view))
+
+    def _drop_kept_weight(self, ref: Any, grad_inputs: Any, grad_outputs: Any) -> None:
+        """Right after it: let go of the device copy, which the layer's release frees (a retained graph's next
+        backward rebuilds it again)."""
+        node = ref()
+        if node is not None:
+            node.tensors = (node.tensors[0], None)
 
     def broadcast(self, src: int = 0) -> None:
         """Give every process the streamed weights of process ``src``: DDP's broadcast of the module's state at
@@ -294,35 +310,24 @@ class LayerWeightStreamer:
 
     def _guard_conversions(self, layer: _Layer, module: nn.Module) -> None:
         """Make ``module.to(...)``, ``.half()``, ``.cuda()`` and the like leave this layer's streamed parameters
-        in host memory: each submodule that holds one gets an ``_apply`` that hides them from the conversion,
-        then converts their dtype on the host if the conversion changes it."""
+        in host memory: each submodule that holds one gets an ``_apply`` (:class:`_ApplyGuard`) that hides them
+        from the conversion, then converts their dtype on the host if the conversion changes it."""
         streamed = {id(p) for p in layer.params}
         for sub in module.modules():
-            names = [n for n, p in sub._parameters.items() if p is not None and id(p) in streamed]
-            if names and "_apply" not in sub.__dict__:
-                sub._apply = self._make_apply_guard(layer, sub, names)
+            holds = any(p is not None and id(p) in streamed for p in sub._parameters.values())
+            if holds and "_apply" not in sub.__dict__:
+                sub._apply = _ApplyGuard(self, layer, sub)
                 self._guarded.append(sub)
 
-    def _make_apply_guard(self, layer: _Layer, sub: nn.Module, names: List[str]) -> Any:
-        def _apply(fn: Any, recurse: bool = True) -> nn.Module:
-            held = {name: sub._parameters[name] for name in names}
-            for name in names:
-                sub._parameters[name] = None  # skipped by nn.Module._apply; the key keeps its place
-            try:
-                type(sub)._apply(sub, fn, recurse)
-            finally:
-                for name, param in held.items():
-                    sub._parameters[name] = param
-            for param in held.values():
-                # What the conversion would make of a tensor of this dtype, without allocating one on the device
-                dtype = fn(torch.empty(0, dtype=param.dtype)).dtype
-                if dtype != param.dtype:
-                    param.data = param.data.to(dtype)  # still host memory
-            if layer.device is None:
-                self._refresh(layer)  # converted parameters get pinned host copies of their own
-            return sub
-
-        return _apply
+    def _converted(self, layer: _Layer, params: Sequence[nn.Parameter], fn: Any) -> None:
+        """After a module conversion that skipped ``params``: apply its dtype change to their host copies."""
+        for param in params:
+            # What the conversion makes of a tensor of this dtype, without allocating one on the device
+            dtype = fn(torch.empty(0, dtype=param.dtype)).dtype
+            if dtype != param.dtype:
+                param.data = param.data.to(dtype)  # still host memory
+        if layer.device is None:
+            self._refresh(layer)  # the layer gets a new host buffer in the new dtype
 
     def _unguard_conversions(self) -> None:
         for sub in self._guarded:
@@ -379,11 +384,25 @@ class LayerWeightStreamer:
             "Free host memory, use fewer data-parallel processes per machine, or set layer_offloading: false.",
         )
         for layer in self.layers:
-            layer.host = self._host_copies([slot.get() for slot in layer.slots])
+            layer.host, layer.buffer = self._host_copies([slot.get() for slot in layer.slots])
             for slot, host in zip(layer.slots, layer.host):
                 slot.set(host)
         self._count_host_bytes()
         self._offloaded = True
+
+    def _rehost(self, layer: _Layer) -> None:
+        """Copy the layer's tensors, as they are now, into a new host buffer, and let the old one go (unpinned:
+        a dtype conversion must not leave the old dtype's buffer page-locked beside the new one)."""
+        old = layer.buffer
+        layer.host, layer.buffer = self._host_copies([slot.get() for slot in layer.slots])
+        for slot, host in zip(layer.slots, layer.host):
+            slot.set(host)
+        if old is not None and any(b is old for b in self._registered):
+            if self._streams is not None:
+                self._streams.synchronize()  # no copy may still read it (a prefetch released unused)
+            self._registered = [b for b in self._registered if b is not old]
+            assert self._async is not None
+            self._async.unpin(old)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" or tensor.device == self.device
@@ -393,9 +412,9 @@ class LayerWeightStreamer:
             layer.nbytes = sum(_nbytes(h) for h in layer.host)
         self.host_bytes = sum(layer.nbytes for layer in self.layers)
 
-    def _host_copies(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def _host_copies(self, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """Host copies of ``tensors``: slices of one buffer for the layer (a non-contiguous tensor gets memory of
-        its own, so that its strides survive)."""
+        its own, so that its strides survive), and that buffer."""
         offsets: List[Optional[int]] = []
         total = 0
         for p in tensors:
@@ -415,7 +434,7 @@ class LayerWeightStreamer:
                 host = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
             host.copy_(p)
             copies.append(host)
-        return copies
+        return copies, buffer
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         """Host bytes for one layer: pinned (in place where the device can) when copies run on streams."""
@@ -451,11 +470,8 @@ class LayerWeightStreamer:
         kept = [(s, h) for s, h in zip(layer.slots, layer.host) if not s.param.requires_grad]
         layer.params = [p for p in layer.params if not p.requires_grad]
         layer.slots, layer.host = [s for s, _ in kept], [h for _, h in kept]
-        for index, slot in enumerate(layer.slots):
-            if not _holds(slot.get(), layer.host[index]):
-                fresh = self._host_copies([slot.get()])[0]
-                layer.host[index] = fresh
-                slot.set(fresh)
+        if any(not _holds(slot.get(), host) for slot, host in zip(layer.slots, layer.host)):
+            self._rehost(layer)
         self._count_host_bytes()
 
     # -- moving parameters --------------------------------------------------------------------------------
@@ -618,6 +634,34 @@ class LayerWeightStreamer:
         self._use(view.layer)  # loaded by the backward hook; if not (an unusual graph), now
         assert view.layer.device is not None
         return torch.as_strided(view.layer.device[view.slot], view.size, view.stride, view.offset)
+
+
+class _ApplyGuard:
+    """A streamed submodule's ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call) while layer offloading is
+    installed: the parameters still streamed sit out the conversion, which then reaches their host copies'
+    dtype only. A deep copy of the module (Lightning's StochasticWeightAveraging, user code) gets the plain
+    ``_apply`` of its own class instead: the copy is not streamed, and must not convert the original."""
+
+    def __init__(self, streamer: LayerWeightStreamer, layer: _Layer, module: nn.Module) -> None:
+        self.streamer, self.layer, self.module = streamer, layer, module
+
+    def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        module = self.module
+        streamed = {id(p) for p in self.layer.params}  # now: a parameter unfrozen since is converted as usual
+        held = {n: p for n, p in module._parameters.items() if p is not None and id(p) in streamed}
+        for name in held:
+            module._parameters[name] = None  # skipped by nn.Module._apply; the key keeps its place
+        try:
+            type(module)._apply(module, fn, recurse)
+        finally:
+            for name, param in held.items():
+                module._parameters[name] = param
+        self.streamer._converted(self.layer, list(held.values()), fn)
+        return module
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        copy = memo.get(id(self.module))
+        return types.MethodType(type(copy)._apply, copy) if copy is not None else None
 
 
 def _holds(current: torch.Tensor, data: torch.Tensor) -> bool:
