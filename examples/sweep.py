@@ -36,27 +36,40 @@ def write_sweep_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
     return rows
 
 
-def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
+def _plot(rows: List[Dict[str, Any]], path: Path) -> List[str]:
+    """Bars of activation peak and step time per job, each with its value; returns the value labels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['job']}: {r['mode']}" + (" (failed)" if r["error"] else "") for r in rows]
-    memory = [(r["peak_activation_bytes"] or 0) / 2**20 for r in rows]
-    times = [(r["step_time_s"] or 0) * 1000 for r in rows]
+    memory = [_number(r["peak_activation_bytes"], 2**20) for r in rows]
+    times = [_number(r["step_time_s"], 1e-3) for r in rows]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 0.6 * len(rows) + 2))
-    ax_mem.barh(labels, memory, color="tab:blue")
+    drawn: List[str] = []
+    for ax, values, unit, color in ((ax_mem, memory, "MiB", "tab:blue"), (ax_time, times, "ms", "tab:orange")):
+        bars = ax.barh(labels, [v or 0 for v in values], color=color)
+        texts = [f"{v:.1f} {unit}" if v is not None else "not measured" for v in values]
+        ax.bar_label(bars, labels=texts, padding=3, fontsize=8)
+        drawn += texts
+        ax.set_xlim(0, max([v or 0 for v in values] + [1e-9]) * 1.35)  # room for the labels
+        ax.invert_yaxis()
     ax_mem.set_xlabel("activation peak (MiB)")
-    ax_time.barh(labels, times, color="tab:orange")
     ax_time.set_xlabel("median step time (ms)")
     ax_time.set_yticklabels([])
-    for ax in (ax_mem, ax_time):
-        ax.invert_yaxis()
     fig.suptitle("lightning_ac sweep: memory and step time per mode")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return drawn
+
+
+def _number(value: Any, unit: float) -> Any:
+    """A CSV/JSON figure in ``unit``, ``None`` when the job measured none."""
+    if value in (None, ""):
+        return None
+    return float(value) / unit
 
 
 class FailedJobs(Callback):

@@ -18,8 +18,9 @@ import json
 import logging
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import hydra
 import lightning.pytorch as pl
@@ -35,7 +36,6 @@ from modes import mode_label  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
 
 from lightning_ac import (  # noqa: E402
-    ActivationCheckpointingConfig,
     ActivationOffload,
     ConfigError,
     LayerOffload,
@@ -43,16 +43,60 @@ from lightning_ac import (  # noqa: E402
     migrate_legacy,
 )
 from lightning_ac.bench.memory import StepMetrics  # noqa: E402
-from lightning_ac.config import config_to_dict, parse_bool, parse_config  # noqa: E402
+from lightning_ac.config import OffloadConfig, config_to_dict, parse_bool, parse_config  # noqa: E402
 from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 
 log = logging.getLogger("train")
 # peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
-# Every activation_checkpointing option extends this schema, so any field can be overridden on any option
-# and unknown fields fail at composition.
-ConfigStore.instance().store(group="activation_checkpointing", name="schema", node=ActivationCheckpointingConfig)
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@dataclass
+class BlockSchema:
+    """Hydra's view of the block: ActivationCheckpointingConfig's fields (so an unknown field fails at
+    composition), with values left to parse_config, whose ConfigError names the field and the fix and exits with
+    status 2 (OmegaConf's own type check would end the job with a composition traceback and status 1)."""
+
+    enabled: Any = True
+    implementation: Any = "hf"
+    reentrant: Any = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    selective: Any = None
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+# Every activation_checkpointing option extends this schema, so any field can be overridden on any option.
+ConfigStore.instance().store(group="activation_checkpointing", name="schema", node=BlockSchema)
+
+
+def _describe_options(group: str) -> str:
+    """``--help``'s list of a group's options, each with the first comment line of its file."""
+    lines = []
+    for path in sorted((CONF / group).glob("*.yaml")):
+        comments = [line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+        about = next((c for c in comments if not c.startswith("@package")), "")
+        lines.append(f"  {path.stem:26s} {about}".rstrip())
+    return "\n".join(lines)
+
+
+# conf/train.yaml's hydra.help.template asks for these: the modes and groups with a line each, not the schema
+OmegaConf.register_new_resolver("train_options", _describe_options, replace=True)
+
+# `activation_checkpointing=true` is the block's own syntax (README), but Hydra reads it as a group choice and
+# rejects a boolean: it means the option full (false: off).
+_BOOLEAN_CHOICES = {"true": "full", "false": "off"}
+
+
+def _boolean_choices_as_options(argv: List[str]) -> List[str]:
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key == "activation_checkpointing":
+            value = ",".join(_BOOLEAN_CHOICES.get(v.strip().lower(), v) for v in value.split(","))
+        out.append(f"{key}{sep}{value}" if sep else arg)
+    return out
 
 
 def _user_set_block() -> bool:
@@ -82,6 +126,13 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         raise ConfigError(
             "model.config.vocab_size: the example trains on bytes, so it needs >= 256, "
             f"got {cfg.model.config.vocab_size}."
+        )
+    choice = HydraConfig.get().runtime.choices.get("activation_checkpointing")
+    if choice == "schema":
+        raise ConfigError(
+            "activation_checkpointing=schema is the fields every option extends, not a mode. Choose a mode: "
+            + ", ".join(p.stem for p in sorted((CONF / "activation_checkpointing").glob("*.yaml")))
+            + " (python examples/train.py --help lists them)."
         )
     legacy = find_legacy_keys(OmegaConf.to_container(cfg, resolve=True))
     data = resolve_block(cfg)
@@ -113,7 +164,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     summary = {
         **_job_identity(),
         # what ran, labelled from the resolved block (a legacy key under the default "off" option recomputes)
-        "mode": mode_label(block, HydraConfig.get().runtime.choices.get("activation_checkpointing"), bool(legacy)),
+        "mode": mode_label(block, choice, bool(legacy)),
         "activation_checkpointing": config_to_dict(block),
         "layer_offloading": bool(data.get("layer_offloading", False)),
         "layer_offloading_resident_layers": data.get("layer_offloading_resident_layers", 0),
@@ -130,16 +181,38 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info(
-        "done: %d steps, loss %.3f -> %.3f, activation peak %.1f MiB, median step %.3f s",
+        "done: %d steps, loss %.3f -> %.3f, %s, %s",
         summary["steps"],
         summary["first_loss"] or float("nan"),
         summary["final_loss"] or float("nan"),
-        (summary["peak_activation_bytes"] or 0) / 2**20,
-        summary["step_time_s"] or float("nan"),
+        _measured_peak(summary, cfg),
+        _measured_step(summary, cfg),
     )
+    log.info("summary: %s", out_dir / "summary.json")
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        write_sweep_summary(Path(HydraConfig.get().sweep.dir))
+        sweep_dir = Path(HydraConfig.get().sweep.dir)
+        write_sweep_summary(sweep_dir)
+        log.info("sweep so far: %s, %s", sweep_dir / "sweep_summary.csv", sweep_dir / "sweep_summary.png")
     return summary
+
+
+def _measured_peak(summary: Dict[str, Any], cfg: DictConfig) -> str:
+    if summary["peak_activation_bytes"] is not None:
+        return f"activation peak {summary['peak_activation_bytes'] / 2**20:.1f} MiB"
+    return (
+        f"activation peak not measured (measure.memory_step={cfg.measure.memory_step} is not below "
+        f"trainer.max_steps={summary['steps']})"
+    )
+
+
+def _measured_step(summary: Dict[str, Any], cfg: DictConfig) -> str:
+    if summary["step_time_s"] is not None:
+        return f"median step {summary['step_time_s']:.3f} s"
+    return (
+        f"step time not measured (trainer.max_steps={summary['steps']} leaves no step after the "
+        f"measure.warmup_steps={cfg.measure.warmup_steps} warm-up steps and the memory step; train longer or lower "
+        "measure.warmup_steps)"
+    )
 
 
 def _job_identity() -> Dict[str, Any]:
@@ -166,8 +239,9 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except ConfigError as err:
-        # A bad value is the user's to fix: say what and how, without a traceback.
+        # A bad value is the user's to fix: say what and how, without a traceback; the run's log keeps it too.
         print(f"error: {err}", file=sys.stderr)
+        _append_to_job_log(f"error: {err}")
         if not multirun:
             sys.exit(2)
         # In a sweep the other jobs still run: this one is recorded as failed in the sweep summary, and the
@@ -179,5 +253,14 @@ def main(cfg: DictConfig) -> None:
         raise
 
 
+def _append_to_job_log(line: str) -> None:
+    """Write ``line`` to the job's own log file (``<output dir>/<job name>.log``), which Hydra created."""
+    hydra_cfg = HydraConfig.get()
+    path = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
+    with path.open("a") as f:
+        f.write(line + "\n")
+
+
 if __name__ == "__main__":
+    sys.argv = _boolean_choices_as_options(sys.argv)
     main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,9 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
             ["activation_checkpointing=selective_attn", "activation_checkpointing.selective.save_matmul_min_k=0"],
             ["save_matmul_min_k"],
         ),
+        # a value of the wrong type is ours to report (status 2), not a composition traceback
+        (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
+        (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
@@ -173,6 +177,31 @@ def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
         assert fragment in result.stderr
     assert "Traceback" not in result.stderr
     assert "step    1" not in result.stdout + result.stderr
+    # the run's log says why it stopped, too
+    assert "error: " in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_help_lists_each_mode_with_a_line_not_the_schema():
+    result = subprocess.run([sys.executable, "examples/train.py", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    modes = sorted(p.stem for p in (ROOT / "conf" / "activation_checkpointing").glob("*.yaml"))
+    for mode in modes:
+        assert re.search(rf"^  {mode} +\S", text, re.MULTILINE), f"{mode} is listed with a description"
+    assert "schema" not in text
+    assert "summary.json" in text and "multirun/" in text
+
+
+def test_a_boolean_mode_and_a_run_too_short_to_measure(tmp_path):
+    """activation_checkpointing=true (the block's own syntax) is the option full; two steps are all warm-up, and
+    the job says nothing was timed instead of printing nan; it says where the summary went."""
+    result = ok(train(tmp_path, "activation_checkpointing=true", "trainer.max_steps=2"))
+    output = result.stdout + result.stderr
+    assert summary(tmp_path)["mode"] == "full" and summary(tmp_path)["activation_checkpointing"]["enabled"] is True
+    assert "step time not measured (trainer.max_steps=2 leaves no step after" in output
+    assert "nan" not in output
+    assert f"summary: {tmp_path / 'run' / 'summary.json'}" in output
 
 
 def test_unknown_field_fails_at_composition(tmp_path):
@@ -266,3 +295,16 @@ def test_multirun_records_a_crashed_job(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1"]
     assert rows[0]["error"].startswith("crashed: ValueError: Invalid learning rate")
     assert rows[1]["error"] == "" and rows[1]["steps"] == "4"
+
+
+def test_the_sweep_plot_labels_each_bar_with_its_value(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from sweep import _plot
+
+    rows = [
+        {"job": "0", "mode": "off", "error": None, "peak_activation_bytes": 3 * 2**20, "step_time_s": 0.25},
+        {"job": "1", "mode": "full", "error": "crashed", "peak_activation_bytes": None, "step_time_s": None},
+    ]
+    drawn = _plot(rows, tmp_path / "plot.png")
+    assert drawn == ["3.0 MiB", "not measured", "250.0 ms", "not measured"]
+    assert (tmp_path / "plot.png").stat().st_size > 1000
