@@ -49,6 +49,18 @@ from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 log = logging.getLogger("train")
 # peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates, at every step: not the user's to act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+class _NoAdvertising(logging.Filter):
+    """Lightning's tip to install its cloud logger, printed by every Trainer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertising())
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -105,6 +105,7 @@ class Plan:
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
         self._precision = ""
         self._fitting = True  # trainer.fit (validate, test and predict run no backward)
+        self._cache_configs: List[Any] = []  # model configs whose use_cache is off for the run
         self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
 
@@ -268,6 +269,8 @@ class Plan:
                 self._install_weight_streamer(modules)
             if cfg.enabled:
                 self._install_recompute(layers)
+                if self._fitting:
+                    self._cache_off_for_the_run(layers)
             self._journal.commit()
         except BaseException:
             self.remove()
@@ -304,6 +307,17 @@ class Plan:
             return original(*args, **kwargs)
 
         module.training_step = training_step  # type: ignore[method-assign]
+
+    def _cache_off_for_the_run(self, layers: DecoderLayers) -> None:
+        """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every
+        run whose model config asks for the cache: the configs say use_cache=False for the run instead (put back
+        at removal), so the log keeps to what a user should read."""
+        for model in layers.hf_models:
+            for module in model.modules():
+                config = getattr(module, "config", None)
+                if getattr(config, "use_cache", False) is True and all(config is not c for c in self._cache_configs):
+                    config.use_cache = False
+                    self._cache_configs.append(config)
 
     def _install_recompute(self, layers: DecoderLayers) -> None:
         """Checkpoint the decoder layers with the engine the block names, and the policy and checkpoint
@@ -454,6 +468,9 @@ class Plan:
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
+        for config in self._cache_configs:
+            config.use_cache = True
+        self._cache_configs = []
         offload, selective, journal = self.activation_offload, self.selective, self._journal
         streamer = self.weight_streamer
         self.activation_offload = self.selective = self._journal = self.weight_streamer = None

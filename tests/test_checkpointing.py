@@ -487,3 +487,14 @@ def test_validate_says_nothing_is_recomputed(llama, caplog):
     make_trainer([ActivationCheckpointing()]).validate(module, batches(), verbose=False)
     assert "validate: nothing is recomputed or offloaded (no backward)" in caplog.text
     assert "checkpointing 4/4" not in caplog.text
+
+
+def test_the_kv_cache_is_off_for_a_checkpointed_run_and_back_after(llama):
+    """transformers turns the cache off under checkpointing anyway, with a warning per run; the config says so for
+    the run instead, and is as it was after it."""
+    assert llama.config.use_cache is True
+    seen = []
+    probe = pl.Callback()
+    probe.on_train_batch_start = lambda trainer, module, batch, batch_idx: seen.append(module.model.config.use_cache)
+    fit(llama, [ActivationCheckpointing(), probe])
+    assert seen == [False] and llama.config.use_cache is True
