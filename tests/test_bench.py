@@ -100,16 +100,19 @@ def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
 
 def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):
     tiny = tiny_preset(monkeypatch, seq=32)
+    monkeypatch.chdir(tmp_path)
     rows = bench.main(["--preset", "tiny", "--model", "qwen3", "--modes", "off", "full"])
     assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
+    assert (tmp_path / "bench_out" / "results.md").exists(), "without --out the results go to bench_out"
     config = tmp_path / "gemma.json"
     config.write_text(json.dumps({"model_type": "gemma3_text", **tiny["model"], "head_dim": 16}))
     rows = bench.main(["--preset", "tiny", "--model", str(config), "--modes", "off", "selective_attn"])
     assert all(r.status == "ok" and r.max_grad_diff == 0.0 for r in rows)
 
 
-def test_anchors_that_cannot_run_here_say_why(monkeypatch):
+def test_anchors_that_cannot_run_here_say_why(monkeypatch, tmp_path):
     tiny_preset(monkeypatch, seq=32)
+    monkeypatch.chdir(tmp_path)
     rows = bench.main(["--preset", "tiny", "--modes", "off", "hf_native_offload", "trl_offload_only"])
     by = {r.mode: r for r in rows}
     assert by["off"].status == "ok"
@@ -144,3 +147,44 @@ def test_layer_offloading_modes_compare_with_the_same_lora_run(tmp_path, monkeyp
     assert "| `layer_offload_resident` | L/4 | — | — |" in table and "vs lora_full" in table
     main_table = table.split("Layer offloading")[0]
     assert "`off`" in main_table and "lora_full" not in main_table
+
+
+def test_one_statistic_and_ratios_that_noise_decided_are_marked():
+    """The table's step is the median of the repetitions' medians (what the rep lines print); a ratio smaller
+    than the spread of those medians is marked as noise, with a note."""
+    rows = [
+        bench.Row("off", "suite", 100, 1.00, 0.0, step_time_spread=0.05),
+        bench.Row("full", "suite", 20, 1.30, 0.0, step_time_spread=0.04),  # 30% slower: a real difference
+        bench.Row("every_2", "suite", 60, 1.02, 0.0, step_time_spread=0.60),  # reps 7.26 / 1.43 / 1.84 and so on
+    ]
+    table = bench.results_markdown(rows)
+    assert "| `full` | suite | 0.0 | 0.20x | — | 1.300 | 1.30x | — |" in table
+    assert "| 1.020 | 1.02x~ |" in table and "~: within noise" in table
+
+
+def test_labels_of_points_that_sit_together_are_stacked_and_kept_inside():
+    offsets = bench.label_offsets([(1.0, 55.0), (1.0, 55.0), (1.01, 55.2), (2.0, 300.0), (1.5, 100.0)])
+    assert [dy for _, dy, _ in offsets[:3]] == [4, -7, -18], "one line apart, not over each other"
+    assert offsets[3][2] == "right" and offsets[3][0] < 0, "the rightmost label goes to its point's left"
+    assert offsets[4][1] == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq", "1", "--budget-gib", "0.1"], "--seq 1: the budget planner"),
+        (["--seq", "0"], "--seq 0: expected an integer >= 1"),
+        (["--reps", "-1"], "--reps -1: expected an integer >= 1"),
+        (["--budget-gib", "0"], "--budget-gib 0.0: expected a budget > 0 GiB"),
+    ],
+)
+def test_arguments_the_benchmark_cannot_measure_with_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "(default: bench_out)" in capsys.readouterr().out

@@ -19,6 +19,7 @@ from lightning_ac.bench.harness import (
     MODES,
     PRESETS,
     Row,
+    label_offsets,
     main,
     plot,
     results_markdown,
@@ -29,4 +30,14 @@ from lightning_ac.bench.harness import (
 # re-export as intended.
 from lightning_ac.bench.harness import _availability as _availability  # noqa: E402
 
-__all__ = ["LAYER_OFFLOAD_MODES", "MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
+__all__ = [
+    "LAYER_OFFLOAD_MODES",
+    "MODES",
+    "PRESETS",
+    "Row",
+    "label_offsets",
+    "main",
+    "plot",
+    "results_markdown",
+    "run_benchmark",
+]

@@ -23,7 +23,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -168,6 +168,8 @@ class Row:
     max_grad_diff: Optional[float]  # against off; for the layer-offloading modes, against lora_full
     status: str = "ok"
     peak_device_bytes: Optional[int] = None  # the device allocator's peak (CUDA); the layer-offloading modes' figure
+    # (slowest - fastest) / median of the repetitions' median steps; None with one repetition
+    step_time_spread: Optional[float] = None
 
 
 class _BenchModule(pl.LightningModule):
@@ -344,6 +346,7 @@ def run_benchmark(
     generator = torch.Generator().manual_seed(seed)
     batch_ids = torch.randint(0, config.vocab_size, (batch_size, seq), generator=generator)
 
+    # one statistic throughout: each repetition's median step, and the median of those (printed and tabled alike)
     times: Dict[str, List[float]] = {m: [] for m in modes}
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     device_peaks: Dict[str, Optional[int]] = {m: None for m in modes}
@@ -365,15 +368,13 @@ def run_benchmark(
             except Exception as err:  # a mode that cannot run here is reported, not fatal
                 status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 continue
-            times[mode].extend(metrics.step_times)
+            times[mode].append(statistics.median(metrics.step_times))
             if rep == 0:
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
                 if metrics.peak is not None and metrics.peak.source == "cuda_allocator":
                     device_peaks[mode] = metrics.peak.peak_bytes
                 grads[mode] = mode_grads
-            print(
-                f"rep {rep} {mode:26s} step {statistics.median(metrics.step_times):.3f} s", file=sys.stderr, flush=True
-            )
+            print(f"rep {rep} {mode:26s} step {times[mode][-1]:.3f} s", file=sys.stderr, flush=True)
 
     rows = []
     for mode in modes:
@@ -387,6 +388,7 @@ def run_benchmark(
                 kind="anchor" if mode in ALL_ANCHORS else "suite",
                 peak_activation_bytes=peaks[mode],
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
+                step_time_spread=_spread(times[mode]),
                 max_grad_diff=diff,
                 status=status[mode],
                 peak_device_bytes=device_peaks[mode],
@@ -395,8 +397,31 @@ def run_benchmark(
     return rows
 
 
+def _spread(medians: List[float]) -> Optional[float]:
+    if len(medians) < 2:
+        return None
+    return (max(medians) - min(medians)) / statistics.median(medians)
+
+
 def _ratio(value: Optional[float], base: Optional[float]) -> str:
     return f"{value / base:.2f}x" if value is not None and base else "—"
+
+
+def _time_ratio(row: Row, base: Optional[Row]) -> str:
+    """A step-time ratio, marked ``~`` when the repetitions of either row spread by more than the difference
+    the ratio reports: noise decided it."""
+    text = _ratio(row.step_time_s, base and base.step_time_s)
+    if base is None or row is base or row.step_time_s is None or not base.step_time_s:
+        return text
+    difference = abs(row.step_time_s / base.step_time_s - 1)
+    spread = max(row.step_time_spread or 0.0, base.step_time_spread or 0.0)
+    return f"{text}~" if spread > difference else text
+
+
+NOISE_NOTE = (
+    "~: within noise: the repetitions' median steps of this mode or of the mode it is compared with spread by more "
+    "than the difference the ratio shows (rerun on a quieter machine, or with more --reps)."
+)
 
 
 def results_markdown(rows: List[Row]) -> str:
@@ -419,10 +444,10 @@ def results_markdown(rows: List[Row]) -> str:
         lines.append(
             f"| `{r.mode}` | {r.kind} | {mib} | {_ratio(r.peak_activation_bytes, off and off.peak_activation_bytes)} | "
             f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
-            f"{_ratio(r.step_time_s, off and off.step_time_s)} | "
-            f"{_ratio(r.step_time_s, hf and hf.step_time_s)} | {diff} |"
+            f"{_time_ratio(r, off)} | {_time_ratio(r, hf)} | {diff} |"
         )
-    return "\n".join(lines) + "\n" + (_layer_offload_markdown(offloaded) if offloaded else "")
+    text = "\n".join(lines) + "\n" + (_layer_offload_markdown(offloaded) if offloaded else "")
+    return text + ("\n" + NOISE_NOTE + "\n" if "x~ |" in text else "")
 
 
 def _layer_offload_markdown(rows: List[Row]) -> str:
@@ -444,41 +469,50 @@ def _layer_offload_markdown(rows: List[Row]) -> str:
         resident = LAYER_OFFLOAD_MODES[r.mode] or "—"
         lines.append(
             f"| `{r.mode}` | {resident} | {peak} | {_ratio(r.peak_device_bytes, base and base.peak_device_bytes)} | "
-            f"{step} | {_ratio(r.step_time_s, base and base.step_time_s)} | {diff} |"
+            f"{step} | {_time_ratio(r, base)} | {diff} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def label_offsets(points: Sequence[Tuple[float, float]], near: float = 0.06) -> List[Tuple[int, int, str]]:
+    """Where each point's label goes, as ``(dx, dy, ha)`` in points from it: labels of points that sit close
+    together (within ``near`` of the axes' span) are stacked one line apart instead of drawn over each other, and
+    labels of points in the right third of the plot go to their left so that they stay inside it."""
+    if not points:
+        return []
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    unit = [((x - min(xs)) / span_x, (y - min(ys)) / span_y) for x, y in points]
+    placed: List[int] = []  # indices already labelled
+    offsets = []
+    for i, (ux, uy) in enumerate(unit):
+        crowd = sum(1 for j in placed if abs(unit[j][0] - ux) < near and abs(unit[j][1] - uy) < near)
+        placed.append(i)
+        right = ux > 2 / 3
+        offsets.append((-6 if right else 6, 4 - 11 * crowd, "right" if right else "left"))
+    return offsets
+
+
 def plot(rows: List[Row], path: Path) -> None:
-    """Activation memory against step time, one point per mode, anchors marked."""
+    """Activation memory against step time, one point per mode, anchors marked, each point labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # another model (LoRA) and another figure (the whole device peak) for the layer-offloading modes: their table
+    shown = [
+        r
+        for r in rows
+        if r.mode not in LAYER_OFFLOAD_MODES and r.peak_activation_bytes is not None and r.step_time_s is not None
+    ]
+    points = [(r.step_time_s, r.peak_activation_bytes / 2**20) for r in shown]  # type: ignore[operator]
     fig, ax = plt.subplots(figsize=(7, 5))
-    for r in rows:
-        if r.mode in LAYER_OFFLOAD_MODES:
-            continue  # another model (LoRA) and another figure (the whole device peak): their own table
-        if r.peak_activation_bytes is None or r.step_time_s is None:
-            continue
+    for r, (x, y), (dx, dy, ha) in zip(shown, points, label_offsets(points)):
         anchor = r.kind == "anchor"
-        ax.scatter(
-            r.step_time_s,
-            r.peak_activation_bytes / 2**20,
-            marker="s" if anchor else "o",
-            color="tab:gray" if anchor else "tab:blue",
-            s=60,
-        )
-        # anchors sit next to the suite mode they mirror: label them below, suite modes above
-        ax.annotate(
-            r.mode,
-            (r.step_time_s, r.peak_activation_bytes / 2**20),
-            textcoords="offset points",
-            xytext=(6, -12 if anchor else 4),
-            fontsize=8,
-            rotation=-20 if anchor else 0,
-        )
+        ax.scatter(x, y, marker="s" if anchor else "o", color="tab:gray" if anchor else "tab:blue", s=60)
+        ax.annotate(r.mode, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
+    ax.margins(x=0.12, y=0.12)  # room for the labels of the outermost points
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("activation peak (MiB)")
     ax.set_title("lightning_ac modes (circles) and anchors (squares)")
@@ -488,8 +522,34 @@ def plot(rows: List[Row], path: Path) -> None:
     plt.close(fig)
 
 
+# The budget planner measures at the sequence length and at half of it; below this, fixed costs swamp the
+# per-token terms it extrapolates.
+MIN_PLAN_SEQ = 32
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, preset: str) -> None:
+    """Refuse values the benchmark cannot measure with (exit status 2, naming the flag), before any training."""
+    for flag in ("seq", "batch", "reps", "steps", "plan_seq"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} {value}: expected an integer >= 1")
+    if args.budget_gib is not None:
+        if not args.budget_gib > 0:
+            parser.error(f"--budget-gib {args.budget_gib}: expected a budget > 0 GiB")
+        seq = args.seq or PRESETS[preset]["seq"]
+        if seq < MIN_PLAN_SEQ:
+            parser.error(
+                f"--seq {seq}: the budget planner measures every mode at the sequence length and at half of it and "
+                f"extrapolates per token, which needs --seq >= {MIN_PLAN_SEQ} (fixed costs swamp shorter ones)"
+            )
+
+
 def main(argv: Optional[List[str]] = None) -> List[Row]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ac.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_ac.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA"
     )
@@ -499,12 +559,14 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser.add_argument(
         "--model", default=None, help="a transformers model type with the preset's sizes (qwen3), or a JSON config"
     )
-    parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--reps", type=int, default=None, help="alternating repetitions per mode")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
-    parser.add_argument("--out", type=Path, default=None, help="write results.json, results.md, memory_time.png here")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_out"), help="where results.json, results.md, memory_time.png go"
+    )
     parser.add_argument(
         "--budget-gib", type=float, default=None, help="print the fastest mode whose activation peak fits this budget"
     )
@@ -513,12 +575,14 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     )
     args = parser.parse_args(argv)
     preset = args.preset or ("gpu-8k" if torch.cuda.is_available() else "cpu-small")
+    _check_arguments(parser, args, preset)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     log.setLevel(logging.WARNING)  # the suite's own logger: the table below is the output
     warnings.filterwarnings("ignore")
     rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
     table = results_markdown(rows)
     print(table)
+    print(f"results: {args.out / 'results.md'}, {args.out / 'results.json'}, {args.out / 'memory_time.png'}")
     advice = None
     if args.budget_gib is not None:
         from lightning_ac.bench.planner import explain, plan_mode, scaling_errors
@@ -535,7 +599,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         budget = int(args.budget_gib * 2**30)
         advice = explain(plan_mode(planned_rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
         print(advice)
-    if args.out:
+    if args.out:  # always set (default bench_out)
         args.out.mkdir(parents=True, exist_ok=True)
         if advice is not None:
             (args.out / "plan.txt").write_text(advice + "\n")

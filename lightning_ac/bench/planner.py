@@ -68,10 +68,21 @@ def explain(choices: List[Choice], budget_bytes: int, planned_tokens: int, measu
         "showed for each mode between half and full size):"
     ]
     for c in choices:
-        verdict = "fits" if c.fits else "over budget"
+        if c.fits:
+            verdict = "fits"
+        elif c.estimate_bytes <= budget_bytes:
+            verdict = "over budget with the margin"  # the estimate fits; the scaling error widens it past
+        else:
+            verdict = "over budget"
         lines.append(
             f"  {c.mode:26s} {c.kind:6s} est {c.estimate_bytes / gib:7.3f} GiB (+/-{100 * c.margin:4.1f}%)  "
             f"step {c.step_time_s:.3f} s  {verdict}"
+        )
+    unsure = [c.mode for c in choices if c.margin > 0.5]
+    if unsure:
+        lines.append(
+            f"The scaling rule is off by more than 50% for {', '.join(unsure)} at this size: fixed costs, not "
+            "per-token activations, dominate what was measured. Measure at a longer --seq before trusting these."
         )
     if best is None:
         lines.append(
