@@ -224,6 +224,11 @@ def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[b
         return None
     if not isinstance(value, bool):
         expected = "true, false or null" if allow_none else "true or false"
+        if isinstance(value, str):  # "false" would read as true if taken as a truth value: say it is text
+            booleans = "True, False or None" if allow_none else "True or False"
+            raise _expected(
+                name, expected, value, f"It is text, not a boolean: set {name} to {expected} (in Python {booleans})."
+            )
         raise _expected(name, expected, value, f"Set {name} to {expected}.")
     return value
 

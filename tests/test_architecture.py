@@ -166,6 +166,9 @@ def test_requests_use_the_block_error_shape():
         ConfigError, match=r"ActivationOffload\(copy_on_host=\.\.\.\): expected true or false, got 'yes'"
     ):
         ActivationOffload(copy_on_host="yes")
+    # "false" as text would be true as a truth value: the message says it is text
+    with pytest.raises(ConfigError, match=r"got 'false'\. It is text, not a boolean: .* \(in Python True or False\)"):
+        ActivationCheckpointing(verbose="false")
     with pytest.raises(ConfigError, match=r"ActivationOffload: hidden_states: cpu cannot be combined with all"):
         ActivationOffload(hidden_states="cpu", all="cpu")
     with pytest.raises(ConfigError, match=r"activation_checkpointing.offload: hidden_states: cpu cannot be combined"):
