@@ -17,6 +17,7 @@ from lightning_ac.selective import (
     register_mandatory_save,
     register_preferred_save,
 )
+from lightning_ac.verify import OffloadVerificationError
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "LightningACWarning",
     "LegacyConfigWarning",
     "OffloadConfig",
+    "OffloadVerificationError",
     "Placement",
     "SelectiveCheckpointingWarning",
     "SelectiveConfig",

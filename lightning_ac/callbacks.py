@@ -106,12 +106,27 @@ class SuiteCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._is_first() and pl_module.device.type == "cuda":
+        if not self._is_first():
+            return
+        verifier = self._plan.verifier if self._plan is not None else None
+        if verifier is not None:
+            verifier.reference_pass(trainer, pl_module, batch, batch_idx)  # before the peak below is reset
+        if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._is_first() and self._plan is not None and self._plan.verifier is not None:
+            self._plan.verifier.check_loss(trainer, loss)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._is_first() and self._plan is not None and self._plan.verifier is not None:
+            self._plan.verifier.check_gradients(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._is_first() and self._plan is not None and self._plan.verifier is not None:
+            self._plan.verifier.step_done(trainer)
         if self._is_first() and pl_module.device.type == "cuda":
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
             pl_module.log(
@@ -232,6 +247,11 @@ class ActivationOffload(SuiteCallback):
         max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
         host_reserve_bytes: Host memory left free; offloading past ``MemAvailable`` minus this raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of an OOM kill.
+        verify_steps: Verify mode: each micro-batch of the first ``verify_steps`` optimizer steps runs once more
+            beforehand with every transfer synchronous, and the real loss and gradients must match it
+            (:class:`~lightning_ac.OffloadVerificationError` before the optimizer steps otherwise). Costs one
+            forward and backward per verified micro-batch and the reference gradients in host memory.
+        verify_atol: The largest absolute difference verify mode accepts; ``0`` (default) compares bit for bit.
         verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
         prog_bar: Show ``lightning_ac/offload_bytes`` in the progress bar.
 
@@ -252,6 +272,8 @@ class ActivationOffload(SuiteCallback):
         min_offload_bytes: int = 2**16,
         max_pinned_bytes: int = 8 * 2**30,
         host_reserve_bytes: int = 2 * 2**30,
+        verify_steps: int = 0,
+        verify_atol: float = 0.0,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
@@ -261,6 +283,8 @@ class ActivationOffload(SuiteCallback):
             min_offload_bytes=min_offload_bytes,
             max_pinned_bytes=max_pinned_bytes,
             host_reserve_bytes=host_reserve_bytes,
+            verify_steps=verify_steps,
+            verify_atol=verify_atol,
         )
         self._init_output(verbose, prog_bar)
         self.last_step: Dict[str, Dict[str, int]] = _no_transfers()
@@ -368,6 +392,9 @@ class LayerOffload(SuiteCallback):
         resident_layers: Keep the frozen weights of the last ``k`` decoder layers (of each model) on the device
             for the whole run: they run last in forward and first in backward, so each saves two loads per step
             for one layer of device memory.
+        verify_steps: Verify mode (see :class:`ActivationOffload`): the first optimizer steps are checked against
+            the same steps with synchronous transfers.
+        verify_atol: The largest absolute difference verify mode accepts; ``0`` (default) compares bit for bit.
         verbose: At fit start, print a table per decoder layer (see :class:`ActivationCheckpointing`).
         prog_bar: Show ``lightning_ac/layer_offload_bytes`` in the progress bar.
 
@@ -391,11 +418,18 @@ class LayerOffload(SuiteCallback):
         copy_on_host: bool = False,
         host_reserve_bytes: int = 2 * 2**30,
         resident_layers: int = 0,
+        verify_steps: int = 0,
+        verify_atol: float = 0.0,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
         self.request = LayerOffloadRequest(
-            layers, copy_on_host=copy_on_host, host_reserve_bytes=host_reserve_bytes, resident_layers=resident_layers
+            layers,
+            copy_on_host=copy_on_host,
+            host_reserve_bytes=host_reserve_bytes,
+            resident_layers=resident_layers,
+            verify_steps=verify_steps,
+            verify_atol=verify_atol,
         )
         self._init_output(verbose, prog_bar)
         self.last_step: Dict[str, int] = _no_loads()
@@ -478,6 +512,7 @@ def callbacks_from_config(
     layer_offloading: bool = False,
     layer_offloading_resident_layers: int = 0,
     copy_on_host: bool = False,
+    verify_steps: int = 0,
     verbose: bool = False,
 ) -> List[Callback]:
     """Build the suite callbacks an ``activation_checkpointing`` block asks for.
@@ -490,6 +525,8 @@ def callbacks_from_config(
             ``layer_offloading_resident_layers``).
         copy_on_host: Passed to :class:`ActivationOffload` and :class:`LayerOffload`: run the offload copies on a
             CPU-only trainer too.
+        verify_steps: Passed to :class:`ActivationOffload` and :class:`LayerOffload` (Hydra:
+            ``offload_verify_steps``): verify mode for the first optimizer steps.
         verbose: Print the per-layer table at fit start.
 
     Returns:
@@ -512,11 +549,17 @@ def callbacks_from_config(
                 selective=off.selective,
                 all=off.all,
                 copy_on_host=copy_on_host,
+                verify_steps=verify_steps,
                 verbose=verbose,
             )
         )
     if layer_offloading:
         callbacks.append(
-            LayerOffload(copy_on_host=copy_on_host, resident_layers=layer_offloading_resident_layers, verbose=verbose)
+            LayerOffload(
+                copy_on_host=copy_on_host,
+                resident_layers=layer_offloading_resident_layers,
+                verify_steps=verify_steps,
+                verbose=verbose,
+            )
         )
     return callbacks

@@ -240,6 +240,22 @@ def parse_count(value: Any, name: str, *, minimum: int = 0, fix: str = "") -> in
     return value
 
 
+def parse_tolerance(value: Any, name: str) -> float:
+    """A non-negative absolute tolerance (``0``: bit for bit); booleans are rejected."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise _expected(name, "a number >= 0", value, "0 compares bit for bit.")
+    return float(value)
+
+
+def _parse_verify(request: Any, where: str) -> None:
+    parse_count(
+        request.verify_steps,
+        f"{where}(verify_steps=...)",
+        fix="It counts the first optimizer steps run twice to check the transfers; 0 turns verify mode off.",
+    )
+    request.verify_atol = parse_tolerance(request.verify_atol, f"{where}(verify_atol=...)")
+
+
 def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
     """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs."""
     if value is None:
@@ -541,6 +557,8 @@ class ActivationOffloadRequest:
         min_offload_bytes: ``all`` leaves smaller tensors on the device.
         max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
         host_reserve_bytes: Host memory left free.
+        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
+        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
     """
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -548,6 +566,8 @@ class ActivationOffloadRequest:
     min_offload_bytes: int = 2**16
     max_pinned_bytes: int = 8 * 2**30
     host_reserve_bytes: int = 2 * 2**30
+    verify_steps: int = 0
+    verify_atol: float = 0.0
 
     def __post_init__(self) -> None:
         where = "ActivationOffload"
@@ -558,6 +578,7 @@ class ActivationOffloadRequest:
         self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
         for name in ("min_offload_bytes", "max_pinned_bytes", "host_reserve_bytes"):
             parse_count(getattr(self, name), f"{where}({name}=...)")
+        _parse_verify(self, where)
 
 
 @dataclass
@@ -569,12 +590,16 @@ class LayerOffloadRequest:
         copy_on_host: On a CPU device, run the copies anyway (tests, debugging).
         host_reserve_bytes: Host memory left free.
         resident_layers: The last decoder layers (of each model) whose frozen weights stay on the device.
+        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
+        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
     """
 
     layers: Optional[List[LayerSpec]] = None
     copy_on_host: bool = False
     host_reserve_bytes: int = 2 * 2**30
     resident_layers: int = 0
+    verify_steps: int = 0
+    verify_atol: float = 0.0
 
     def __post_init__(self) -> None:
         where = "LayerOffload"
@@ -586,6 +611,7 @@ class LayerOffloadRequest:
             f"{where}(resident_layers=...)",
             fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
         )
+        _parse_verify(self, where)
 
 
 def merge_requests(

@@ -45,6 +45,7 @@ from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_param
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.apply import build_policy
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.verify import StepVerifier
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -106,6 +107,8 @@ class Plan:
         self._precision = ""
         self._fitting = True  # trainer.fit (validate, test and predict run no backward)
         self._cache_configs: List[Any] = []  # model configs whose use_cache is off for the run
+        self.verifier: Optional[StepVerifier] = None
+        self._trainer: Any = None
         self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
 
@@ -157,6 +160,7 @@ class Plan:
         self.device = trainer.strategy.root_device
         self._precision = str(trainer.precision)
         self._fitting = trainer.state.fn == "fit"
+        self._trainer = trainer
         self._stage = str(trainer.state.fn.value if trainer.state.fn is not None else "run")
         self._offload_here = self._offload_wanted()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
@@ -289,6 +293,34 @@ class Plan:
         if parts:
             rank_zero_info("; ".join(parts))
         self._log_weight_streamer()
+        self._install_verifier()
+
+    def _install_verifier(self) -> None:
+        """Verify mode, when a request asks for it and something is transferred in this run."""
+        requests = [r for r in (self.activation_offload_request, self.layer_offload_request) if r is not None]
+        steps = max((r.verify_steps for r in requests), default=0)
+        if not steps or not self._fitting:
+            return
+        targets = [f"offload.{t}" for t in self.activation_offload.targets] if self.activation_offload else []
+        targets += ["layer offloading"] if self.weight_streamer is not None else []
+        if not targets:
+            rank_zero_info("verify mode: nothing is transferred in this run, so there is nothing to verify")
+            return
+        assert self.module is not None
+        StepVerifier.check(self._trainer, self.module)
+        atol = max(r.verify_atol for r in requests)
+        self.verifier = StepVerifier(steps, atol, targets, self._reset_engines)
+        rank_zero_info(
+            f"verify mode: the first {steps} optimizer step{'s' if steps > 1 else ''} run twice, first with "
+            f"synchronous transfers ({', '.join(targets)})"
+        )
+
+    def _reset_engines(self) -> None:
+        """After verify mode's reference pass: the engines' step state and figures, as before it."""
+        if self.activation_offload is not None:
+            self.activation_offload.finish_step()
+        if self.weight_streamer is not None:
+            self.weight_streamer.start_step()
 
     def _start_offload_with_the_training_step(self) -> None:
         """The offload runtime's step (``offload.all``'s saved-tensor hooks) starts when the training step does, not
@@ -471,6 +503,7 @@ class Plan:
         for config in self._cache_configs:
             config.use_cache = True
         self._cache_configs = []
+        self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
         streamer = self.weight_streamer
         self.activation_offload = self.selective = self._journal = self.weight_streamer = None

@@ -11,8 +11,9 @@ synchronously (a CPU device with ``copy_on_host``, MPS). Nothing in the engines 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -25,7 +26,29 @@ __all__ = [
     "available_host_bytes",
     "check_host_budget",
     "is_asynchronous",
+    "synchronous_transfers",
+    "transfers_are_synchronous",
 ]
+
+_synchronous = 0  # depth of synchronous_transfers() contexts
+
+
+@contextlib.contextmanager
+def synchronous_transfers() -> Iterator[None]:
+    """Inside: every copy an :class:`AsyncDevice` issues has completed when the call that issued it returns, and
+    the device is idle before it starts. The engines run their usual code path; only the asynchrony is taken out
+    (verify mode's reference pass)."""
+    global _synchronous
+    _synchronous += 1
+    try:
+        yield
+    finally:
+        _synchronous -= 1
+
+
+def transfers_are_synchronous() -> bool:
+    """Whether a :func:`synchronous_transfers` context is active."""
+    return _synchronous > 0
 
 
 class HostMemoryError(RuntimeError):
@@ -154,10 +177,21 @@ class AcceleratorDevice(AsyncDevice):
         return self.module.stream(stream)
 
     def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
-        host.copy_(source, non_blocking=True)
+        synchronous = transfers_are_synchronous()
+        if synchronous:
+            self.module.synchronize(self.device)  # what the copy reads is written
+        host.copy_(source, non_blocking=not synchronous)
+        if synchronous:
+            self.module.synchronize(self.device)
 
     def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
-        return host.to(self.device, non_blocking=True)
+        synchronous = transfers_are_synchronous()
+        if synchronous:
+            self.module.synchronize(self.device)
+        out = host.to(self.device, non_blocking=not synchronous)
+        if synchronous:
+            self.module.synchronize(self.device)
+        return out
 
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
         # CUDA page-locks the memory where it is (cudaHostRegister): torch's pinned allocator rounds each block up

@@ -22,6 +22,12 @@ something waits for it.
   :attr:`SimulatedDevice.peak_bytes`; the most copies in flight on each stream in
   :attr:`SimulatedDevice.peak_in_flight`.
 
+- **Synchronous transfers.** Inside :func:`~lightning_ac.offload.device.synchronous_transfers` (verify mode's
+  reference pass) every copy runs as soon as it is issued.
+- **Injected faults** (``SimulatedDevice(faults=["skip_wait", "early_release"])``, each once, into the first
+  asynchronous transfer it can affect): the compute stream goes on without waiting for a copy, or a copy's
+  source is released and reused before the copy runs (it delivers poison). Verify mode's tests use them.
+
 What it cannot model: the compute stream runs eagerly on the CPU, so its kernels are finished before any side
 stream could read their outputs (the rule on compute-produced tensors above stands in for that race), and it
 has finished with a tensor before the allocator could hand that tensor's memory to a side stream, so a missing
@@ -33,7 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -44,6 +50,10 @@ from lightning_ac.offload.device import AsyncDevice
 __all__ = ["SimulatedDevice", "SimulatedDeviceError"]
 
 POISON = 0xFF
+# Faults SimulatedDevice(faults=...) can inject, once each, for verify mode's tests: the compute stream goes on
+# without waiting for a copy ("skip_wait"), or a copy's source is released and reused before it runs
+# ("early_release").
+FAULTS = ("skip_wait", "early_release")
 
 
 class SimulatedDeviceError(RuntimeError):
@@ -78,6 +88,7 @@ class _Copy:
     role: str
     seq: int
     reported: bool = False  # released under it: reported once
+    corrupt: bool = False  # an injected fault: its source was reused before it ran, so it copies poison
 
 
 @dataclass(eq=False)
@@ -139,6 +150,8 @@ class SimStream:
     def wait_event(self, event: SimEvent) -> None:
         self.sim._poll()
         if self is self.sim.compute:
+            if event.stream is not self and self.sim._inject("skip_wait"):
+                return  # the fault: compute goes on without waiting for the copy
             event.synchronize()  # compute is the CPU: its next op runs now, after the event
             return
         if event.stream is self.sim.compute:
@@ -191,7 +204,11 @@ class SimulatedDevice(AsyncDevice):
         pinned_in_place: Host buffers page-locked in place and not yet unpinned: data pointer -> bytes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, faults: Sequence[str] = ()) -> None:
+        unknown = set(faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        self.faults = list(faults)  # each injected once, into the first asynchronous transfer it can affect
         self.device = torch.device("cpu")
         self.compute = SimStream(self, "compute")
         self.streams: List[SimStream] = []
@@ -298,9 +315,21 @@ class SimulatedDevice(AsyncDevice):
         _poison(dst)  # until the copy runs
         # The copy holds tensors of its own on the same memory, so that the transfer code's references can be told
         # apart from the simulator's (the storage's use count).
-        stream.queue.append(_Copy(dst.detach(), src.detach(), role, stream._next()))
+        copy = _Copy(dst.detach(), src.detach(), role, stream._next())
+        stream.queue.append(copy)
         in_flight = len(stream.pending_copies())
         self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], in_flight)
+        if _device.transfers_are_synchronous():
+            stream.synchronize()  # the copy has run before the call that issued it returns
+        elif self._inject("early_release"):
+            copy.corrupt = True
+
+    def _inject(self, fault: str) -> bool:
+        """Whether to inject ``fault`` now (once; never into synchronous transfers, whose copies have run)."""
+        if fault in self.faults and not _device.transfers_are_synchronous():
+            self.faults.remove(fault)
+            return True
+        return False
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         allocation = self._allocation(tensor)
@@ -340,6 +369,10 @@ class SimulatedDevice(AsyncDevice):
     # -- the device's side of things ----------------------------------------------------------------------
 
     def _run(self, copy: _Copy) -> None:
+        if copy.corrupt:  # the memory it read was released early and reused: garbage arrives
+            _poison(copy.dst)
+            self._stats.copies += 1
+            return
         copy.dst.copy_(copy.src)
         self._stats.copies += 1
 

@@ -1,0 +1,258 @@
+"""Verify mode: the first optimizer steps run twice, and the offloaded run must match synchronous transfers.
+
+For each micro-batch of the first ``verify_steps`` optimizer steps, before Lightning runs it, the training step
+runs once more on the same batch, from the same parameters, buffers and RNG state, as a reference: the same
+code path with every transfer synchronous at the device seam
+(:func:`~lightning_ac.offload.device.synchronous_transfers`). Its loss and gradients go to host memory, and
+everything it touched is put back (gradients, buffers, RNG state, the engines' step figures), so that the real
+micro-batch runs exactly as it would have. The real loss is compared in ``on_before_backward`` and the real
+gradients in ``on_after_backward``, both before the optimizer steps; a difference raises
+:class:`OffloadVerificationError`.
+
+The reference pass calls ``training_step`` directly: Lightning's hooks, loggers (``self.log`` is muted),
+progress bar and LR schedulers do not see it; under DDP it runs inside ``no_sync`` (DDP's gradient all-reduce
+runs once, in the real pass) and its gradients are all-reduced the way DDP reduces them before comparing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
+
+from lightning_ac._logging import rank_zero_info
+from lightning_ac.config import ConfigError
+from lightning_ac.offload.device import format_bytes, synchronous_transfers
+
+__all__ = ["OffloadVerificationError", "StepVerifier"]
+
+
+class OffloadVerificationError(RuntimeError):
+    """A verified step's loss or gradients differ from the same step with synchronous transfers: the offload
+    copies raced on this machine. Raised before the optimizer steps."""
+
+
+class StepVerifier:
+    """Runs and checks the reference pass of each micro-batch of the first ``steps`` optimizer steps.
+
+    Args:
+        steps: How many optimizer steps to verify.
+        atol: The largest absolute difference accepted (``0``: bit for bit).
+        targets: The transfers in force, as messages name them (``offload.hidden_states``, ``layer offloading``).
+        reset_engines: Called after the reference pass: the engines forget its figures and state.
+    """
+
+    def __init__(self, steps: int, atol: float, targets: List[str], reset_engines: Any) -> None:
+        self.steps, self.atol, self.targets = steps, atol, targets
+        self.reset_engines = reset_engines
+        self.verified = 0  # optimizer steps verified so far
+        self.host_bytes = 0  # most host memory the reference figures took at once
+        self._expected: Optional[List[Optional[torch.Tensor]]] = None  # per trainable parameter, on the host
+        self._loss: Optional[torch.Tensor] = None
+        self._step = -1  # the optimizer step being verified
+
+    @staticmethod
+    def check(trainer: Any, module: nn.Module) -> None:
+        """What verify mode cannot promise, refused before training."""
+        where = "ActivationOffload/LayerOffload(verify_steps=...)"
+        if not getattr(module, "automatic_optimization", True):
+            raise ConfigError(
+                f"{where}: verify mode re-runs Lightning's automatic optimization step, but this LightningModule "
+                "optimizes manually (automatic_optimization = False), where the step's backward and optimizer calls "
+                "are yours. Set verify_steps=0."
+            )
+        strategy = trainer.strategy
+        if type(strategy) is not SingleDeviceStrategy and not isinstance(strategy, DDPStrategy):
+            raise ConfigError(
+                f"{where}: verify mode compares whole gradients on one device or under DDP, but the Trainer uses "
+                f"{type(strategy).__name__}. Set verify_steps=0, or verify on a single device first."
+            )
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ConfigError(
+                f"{where}: under {trainer.precision} precision the gradient scaler may skip or rescale a step, "
+                "which the reference pass cannot reproduce. Verify under bf16-mixed or 32-true, or set verify_steps=0."
+            )
+
+    def verifying(self, trainer: Any) -> bool:
+        return trainer.global_step < self.steps
+
+    # -- the reference pass -----------------------------------------------------------------------------------
+
+    def reference_pass(self, trainer: Any, module: nn.Module, batch: Any, batch_idx: int) -> None:
+        """Run the micro-batch with synchronous transfers and keep its loss and gradients on the host; leave the
+        module, its gradients and the RNG streams as they were."""
+        if not self.verifying(trainer):
+            return
+        self._step = trainer.global_step
+        params = _trainable(module)
+        rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        buffers = [(b, b.detach().to("cpu", copy=True)) for b in module.buffers()]
+        earlier = [_to_host(p.grad) for p in params]  # accumulated micro-batches: moved out while this one runs
+        for p in params:
+            p.grad = None
+        log, log_dict = module.__dict__.get("log"), module.__dict__.get("log_dict")
+        module.log = module.log_dict = _muted  # type: ignore[method-assign]
+        try:
+            with synchronous_transfers(), _no_sync(trainer), trainer.precision_plugin.train_step_context():
+                output = module.training_step(batch, batch_idx)
+                loss = output["loss"] if isinstance(output, dict) else output
+                closure_loss = loss / trainer.accumulate_grad_batches  # what Lightning's closure backpropagates
+            closure_loss.backward()
+            self._loss = closure_loss.detach().to("cpu", copy=True)
+            grads = [_to_host(p.grad) for p in params]
+        finally:
+            for name, value in (("log", log), ("log_dict", log_dict)):
+                if value is None:
+                    module.__dict__.pop(name, None)
+                else:
+                    setattr(module, name, value)
+            for p, grad in zip(params, earlier):
+                p.grad = grad.to(p.device) if grad is not None else None
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            _set_rng_states(rng)
+            self.reset_engines()
+        # Lightning zeroes the gradients before the first micro-batch of each optimizer step (the gradients here are
+        # the last step's until then); later micro-batches add to what the earlier ones left
+        starts_step = batch_idx % trainer.accumulate_grad_batches == 0
+        self._expected = [g if starts_step else _sum(e, g) for e, g in zip(earlier, grads)]
+        if _syncs_gradients(trainer):
+            self._expected = _all_reduced_like_ddp(self._expected, module)
+        self.host_bytes = max(self.host_bytes, _bytes(self._expected) + _bytes(earlier))
+
+    # -- the checks -------------------------------------------------------------------------------------------
+
+    def check_loss(self, trainer: Any, loss: torch.Tensor) -> None:
+        if self._loss is None:
+            return
+        expected, self._loss = self._loss, None
+        real = loss.detach().to("cpu")
+        if not self._same(real, expected):
+            raise self._error(trainer, f"the loss is {real.item()!r}, {expected.item()!r} with synchronous transfers")
+
+    def check_gradients(self, trainer: Any, module: nn.Module) -> None:
+        if self._expected is None:
+            return
+        expected, self._expected = self._expected, None
+        first: Optional[Tuple[str, float]] = None
+        largest = 0.0
+        for (name, p), want in zip(_named_trainable(module), expected):
+            got = _to_host(p.grad)
+            if got is None and want is None:
+                continue
+            if got is None or want is None or got.shape != want.shape:
+                first = first or (name, float("inf"))
+                largest = float("inf")
+                continue
+            difference = _largest_difference(got, want)
+            if not self._same(got, want):
+                first = first or (name, difference)
+            largest = max(largest, difference)
+        if first is not None:
+            raise self._error(
+                trainer,
+                f"the gradient of {first[0]} differs by up to {first[1]:.3e} (the largest difference over all "
+                f"parameters: {largest:.3e})",
+            )
+
+    def step_done(self, trainer: Any) -> None:
+        """After each micro-batch: once the last verified optimizer step is complete, say so."""
+        if self._step < 0 or trainer.global_step == self._step or self.verified == self.steps:
+            return
+        self.verified = trainer.global_step
+        if self.verified >= self.steps:
+            self.verified = self.steps
+            exact = "bit-identical" if self.atol == 0 else f"within {self.atol:g}"
+            rank_zero_info(
+                f"verified {self.steps} step{'s' if self.steps > 1 else ''}: gradients {exact} to synchronous "
+                f"transfers ({', '.join(self.targets)}); the reference held {format_bytes(self.host_bytes)} of "
+                "host memory"
+            )
+
+    def _same(self, got: torch.Tensor, want: torch.Tensor) -> bool:
+        if self.atol == 0:
+            return torch.equal(got, want)
+        return bool(torch.allclose(got, want, rtol=0.0, atol=self.atol, equal_nan=True))
+
+    def _error(self, trainer: Any, what: str) -> OffloadVerificationError:
+        targets = ", ".join(self.targets)
+        return OffloadVerificationError(
+            f"verify: optimizer step {self._step} (batch {trainer.fit_loop.epoch_loop.batch_idx}): {what}, with "
+            f"{targets} in force. The transfers raced on this machine (GPU, driver and torch version): please "
+            "report it at https://github.com/lightning-ac/lightning_ac/issues with this message, and train with "
+            f"{targets} off meanwhile."
+        )
+
+
+def _muted(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during the reference pass: its values are not the step's."""
+
+
+def _trainable(module: nn.Module) -> List[nn.Parameter]:
+    return [p for _, p in _named_trainable(module)]
+
+
+def _named_trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _to_host(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return tensor.detach().to("cpu", copy=True) if tensor is not None else None
+
+
+def _sum(earlier: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """What autograd's accumulation makes of ``earlier`` and this micro-batch's ``grad``."""
+    if earlier is None:
+        return grad
+    if grad is None:
+        return earlier
+    return earlier + grad
+
+
+def _bytes(tensors: List[Optional[torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    difference = (got.double() - want.double()).abs()
+    return float(difference.nan_to_num(nan=float("inf")).max())
+
+
+@contextlib.contextmanager
+def _no_sync(trainer: Any) -> Any:
+    """DDP's ``no_sync``: the reference pass's backward must not all-reduce."""
+    model = trainer.strategy.model
+    with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+        yield
+
+
+def _syncs_gradients(trainer: Any) -> bool:
+    """Whether the real micro-batch's backward all-reduces (DDP, at the last micro-batch of an optimizer step)."""
+    if not isinstance(trainer.strategy, DDPStrategy) or not (dist.is_available() and dist.is_initialized()):
+        return False
+    # Lightning's own test for "this micro-batch accumulates" (it runs those backward passes under no_sync)
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def _all_reduced_like_ddp(grads: List[Optional[torch.Tensor]], module: nn.Module) -> List[Optional[torch.Tensor]]:
+    """DDP's reduction of local gradients: each divided by the world size, then summed over the processes (through
+    the device on backends that need device tensors)."""
+    world = dist.get_world_size()
+    device = next((p.device for p in _trainable(module)), torch.device("cpu"))
+    reduced: List[Optional[torch.Tensor]] = []
+    for grad in grads:
+        if grad is None:
+            reduced.append(None)
+            continue
+        staged = (grad / world).to(device)
+        dist.all_reduce(staged)
+        reduced.append(staged.to("cpu"))
+    return reduced
