@@ -43,7 +43,7 @@ from lightning_ac import (  # noqa: E402
     migrate_legacy,
 )
 from lightning_ac.bench.memory import StepMetrics  # noqa: E402
-from lightning_ac.config import OffloadConfig, config_to_dict, parse_bool, parse_config  # noqa: E402
+from lightning_ac.config import OffloadConfig, config_to_dict, parse_bool, parse_config, parse_count  # noqa: E402
 from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 
 log = logging.getLogger("train")
@@ -155,6 +155,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         layer_offloading_resident_layers=data.get("layer_offloading_resident_layers", 0),
         # the job's own switches, checked under the names the user writes (report=no is an error, not "on")
         copy_on_host=parse_bool(data.get("offload_copy_on_host", False), "offload_copy_on_host"),
+        verify_steps=parse_count(data.get("offload_verify_steps", 0), "offload_verify_steps"),
         verbose=parse_bool(data.get("report", False), "report"),
     )
 

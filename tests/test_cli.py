@@ -133,7 +133,9 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
     assert not (tmp_path / "cpu" / "run" / "summary.json").exists()
     # forced copies on CPU: the whole path but the streams, and training exactly as without it
     forced_overrides = ("activation_checkpointing=full", "layer_offloading=true", "offload_copy_on_host=true")
-    ok(train(tmp_path / "forced", *forced_overrides))
+    # with verify mode on its first step (Hydra's offload_verify_steps), which changes nothing it checks
+    result = ok(train(tmp_path / "forced", *forced_overrides, "offload_verify_steps=1"))
+    assert "verified 1 step: gradients bit-identical to synchronous transfers (layer offloading)" in result.stdout
     ok(train(tmp_path / "plain", "activation_checkpointing=full"))
     forced, plain = summary(tmp_path / "forced"), summary(tmp_path / "plain")
     assert forced["layer_offloading"] is True and plain["layer_offload"] is None
@@ -168,6 +170,7 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
         (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
+        (["offload_verify_steps=-1"], ["offload_verify_steps: expected an integer >= 0, got -1"]),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
