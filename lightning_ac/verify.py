@@ -67,7 +67,7 @@ class StepVerifier:
                 "are yours. Set verify_steps=0."
             )
         strategy = trainer.strategy
-        if type(strategy) is not SingleDeviceStrategy and not isinstance(strategy, DDPStrategy):
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ConfigError(
                 f"{where}: verify mode compares whole gradients on one device or under DDP, but the Trainer uses "
                 f"{type(strategy).__name__}. Set verify_steps=0, or verify on a single device first."
