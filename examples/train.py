@@ -270,8 +270,9 @@ def _append_to_job_log(line: str) -> None:
     """Write ``line`` to the job's own log file (``<output dir>/<job name>.log``), which Hydra created."""
     hydra_cfg = HydraConfig.get()
     path = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
-    with path.open("a") as f:
-        f.write(line + "\n")
+    if path.exists():  # Hydra's job logging made it (not when logging is off or elsewhere)
+        with path.open("a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

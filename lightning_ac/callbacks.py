@@ -106,17 +106,12 @@ class SuiteCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._is_first():
-            return
-        verifier = self._plan.verifier if self._plan is not None else None
-        if verifier is not None:
-            verifier.reference_pass(trainer, pl_module, batch, batch_idx)  # before the peak below is reset
-        if pl_module.device.type == "cuda":
+        if self._is_first() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
-            self._plan.verifier.check_loss(trainer, loss)
+            self._plan.verifier.check_loss(trainer, pl_module, loss)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:

@@ -202,11 +202,11 @@ class Plan:
         if self.layer_spec is not None:
             shown = [s.__name__ if isinstance(s, type) else repr(s) for s in self.layer_spec]
             names = [n for n, _ in module.named_modules() if n and n.count(".") <= 2][:8]
-            example = f"{names[-1]}.*" if names else "model.layers.*"
             return ConfigError(
                 f"{name}(layers=[{', '.join(shown)}]) matched no module in {where}. A class matches its instances, "
                 "a string is a glob over qualified module names; the module names here start with: "
-                f"{', '.join(names) or '(no submodules)'}. Fix layers=..., e.g. layers=['{example}']."
+                f"{', '.join(names) or '(no submodules)'}. Fix layers=..., e.g. layers=['<the layers container>.*'] "
+                "(print(model) shows the names)."
             )
         models = transformers_models(module)
         if models:
@@ -268,13 +268,14 @@ class Plan:
                 assert self.activation_offload_request is not None
                 self.activation_offload = ActivationOffloadRuntime(self.activation_offload_request, self.device)
                 self.activation_offload.install(self.module, output_heads=layers.output_heads())
-                self._start_offload_with_the_training_step()
             if self.layer_offload_request is not None:
                 self._install_weight_streamer(modules)
             if cfg.enabled:
                 self._install_recompute(layers)
                 if self._fitting:
                     self._cache_off_for_the_run(layers)
+            self._install_verifier()
+            self._wrap_training_step()
             self._journal.commit()
         except BaseException:
             self.remove()
@@ -283,7 +284,7 @@ class Plan:
         if not self._fitting:
             if cfg.enabled or self.activation_offload is not None:
                 # installed all the same (removed at teardown), but there is no backward to recompute for
-                rank_zero_info(f"{self._stage}: nothing is recomputed or offloaded (no backward)")
+                rank_zero_info(f"{self._stage}: no backward, so nothing is recomputed and no activation is offloaded")
         else:
             if cfg.enabled:
                 counted = f"{sum(self.recomputed)}/{len(modules)} {layers.noun}"
@@ -293,7 +294,8 @@ class Plan:
         if parts:
             rank_zero_info("; ".join(parts))
         self._log_weight_streamer()
-        self._install_verifier()
+        if self.verifier is not None:
+            self.verifier.announce()
 
     def _install_verifier(self) -> None:
         """Verify mode, when a request asks for it and something is transferred in this run."""
@@ -310,10 +312,6 @@ class Plan:
         StepVerifier.check(self._trainer, self.module)
         atol = max(r.verify_atol for r in requests)
         self.verifier = StepVerifier(steps, atol, targets, self._reset_engines)
-        rank_zero_info(
-            f"verify mode: the first {steps} optimizer step{'s' if steps > 1 else ''} run twice, first with "
-            f"synchronous transfers ({', '.join(targets)})"
-        )
 
     def _reset_engines(self) -> None:
         """After verify mode's reference pass: the engines' step state and figures, as before it."""
@@ -322,21 +320,32 @@ class Plan:
         if self.weight_streamer is not None:
             self.weight_streamer.start_step()
 
-    def _start_offload_with_the_training_step(self) -> None:
-        """The offload runtime's step (``offload.all``'s saved-tensor hooks) starts when the training step does, not
-        at ``on_train_batch_start``: a LightningModule whose ``on_train_batch_start`` returns -1 skips the step and
-        the rest of the epoch, and nothing of ours may stay hooked through ``on_train_epoch_end`` and validation.
-        The step ends at ``on_train_batch_end``, after backward and the optimizer step."""
-        module, runtime = self.module, self.activation_offload
-        if not _is_lightning_module(module) or runtime is None:
+    def _wrap_training_step(self) -> None:
+        """What happens at the training step itself, not at ``on_train_batch_start`` (a LightningModule whose
+        ``on_train_batch_start`` returns -1 skips the step and the rest of the epoch, and nothing of ours may stay
+        hooked through ``on_train_epoch_end`` and validation; the module's own hooks have run by then, and the
+        optimizer has zeroed the gradients):
+
+        - the offload runtime's step starts (``offload.all``'s saved-tensor hooks); it ends at
+          ``on_train_batch_end``, after backward and the optimizer step;
+        - in verify mode, the reference pass runs first, on the same arguments.
+        """
+        module, runtime, verifier = self.module, self.activation_offload, self.verifier
+        if not _is_lightning_module(module) or (runtime is None and verifier is None):
             return
         original = module.training_step
+        trainer = self._trainer
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if runtime is not None and not runtime.in_step:  # a closure an optimizer calls again (LBFGS): same step
+                runtime.start_step()
+            return original(*args, **kwargs)
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            if not runtime.in_step:  # a closure an optimizer calls again (LBFGS) is the same step
-                runtime.start_step()
-            return original(*args, **kwargs)
+            if verifier is not None:
+                verifier.reference_pass(trainer, module, step, args, kwargs)
+            return step(*args, **kwargs)
 
         module.training_step = training_step  # type: ignore[method-assign]
 

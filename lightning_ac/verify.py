@@ -1,31 +1,32 @@
 """Verify mode: the first optimizer steps run twice, and the offloaded run must match synchronous transfers.
 
-For each micro-batch of the first ``verify_steps`` optimizer steps, before Lightning runs it, the training step
-runs once more on the same batch, from the same parameters, buffers and RNG state, as a reference: the same
-code path with every transfer synchronous at the device seam
-(:func:`~lightning_ac.offload.device.synchronous_transfers`). Its loss and gradients go to host memory, and
-everything it touched is put back (gradients, buffers, RNG state, the engines' step figures), so that the real
-micro-batch runs exactly as it would have. The real loss is compared in ``on_before_backward`` and the real
-gradients in ``on_after_backward``, both before the optimizer steps; a difference raises
-:class:`OffloadVerificationError`.
+For each micro-batch of the first ``verify_steps`` optimizer steps, just before Lightning's call of
+``training_step`` (after its hooks and the optimizer's zero_grad), the training step runs once more on the same
+arguments, from the same parameters, gradients, buffers and RNG state, as a reference: the same code path with every
+transfer synchronous at the device seam (:func:`~lightning_ac.offload.device.synchronous_transfers`). Its loss and
+gradients go to host memory, and everything it touched is put back (gradients, buffers, RNG state, the engines' step
+figures), so that the real micro-batch runs exactly as it would have. The real loss is compared in
+``on_before_backward`` and the real gradients in ``on_after_backward``, both before the optimizer steps; a
+difference raises :class:`OffloadVerificationError`.
 
-The reference pass calls ``training_step`` directly: Lightning's hooks, loggers (``self.log`` is muted),
-progress bar and LR schedulers do not see it; under DDP it runs inside ``no_sync`` (DDP's gradient all-reduce
+The reference pass calls ``training_step`` and backward directly: Lightning's hooks, loggers (``self.log`` is
+muted), progress bar and LR schedulers do not see it; under DDP it runs inside ``no_sync`` (DDP's gradient all-reduce
 runs once, in the real pass) and its gradients are all-reduced the way DDP reduces them before comparing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Optional, Tuple
+import inspect
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from torch import nn
 
-from lightning_ac._logging import rank_zero_info
+from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.config import ConfigError
 from lightning_ac.offload.device import format_bytes, synchronous_transfers
 
@@ -52,6 +53,7 @@ class StepVerifier:
         self.reset_engines = reset_engines
         self.verified = 0  # optimizer steps verified so far
         self.host_bytes = 0  # most host memory the reference figures took at once
+        self._contribution: Optional[List[Optional[torch.Tensor]]] = None  # the reference's gradients, on the host
         self._expected: Optional[List[Optional[torch.Tensor]]] = None  # per trainable parameter, on the host
         self._loss: Optional[torch.Tensor] = None
         self._step = -1  # the optimizer step being verified
@@ -67,10 +69,16 @@ class StepVerifier:
                 "are yours. Set verify_steps=0."
             )
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        # DeepSpeed's strategy is a DDPStrategy, but its engine runs backward and accumulation itself
+        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ConfigError(
                 f"{where}: verify mode compares whole gradients on one device or under DDP, but the Trainer uses "
                 f"{type(strategy).__name__}. Set verify_steps=0, or verify on a single device first."
+            )
+        if "dataloader_iter" in inspect.signature(module.training_step).parameters:
+            raise ConfigError(
+                f"{where}: verify mode runs the training step twice on the same batch, but this training_step takes "
+                "dataloader_iter and fetches its own batches. Set verify_steps=0."
             )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ConfigError(
@@ -81,30 +89,55 @@ class StepVerifier:
     def verifying(self, trainer: Any) -> bool:
         return trainer.global_step < self.steps
 
+    def announce(self) -> None:
+        """The log line that says verify mode is on, and what it compares."""
+        exact = "bit for bit" if self.atol == 0 else f"within {self.atol:g}"
+        rank_zero_info(
+            f"verify mode: each micro-batch of the first {self.steps} optimizer step{'s' if self.steps > 1 else ''} "
+            f"runs twice, first with synchronous transfers ({', '.join(self.targets)}); compared {exact}"
+        )
+        if self.atol == 0 and torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
+            rank_zero_warn(
+                "verify mode compares bit for bit, but torch.use_deterministic_algorithms is off: a CUDA kernel that "
+                "is not deterministic (some attention and embedding backward kernels) would show as a difference. "
+                "Call torch.use_deterministic_algorithms(True) for the verified steps, or set verify_atol."
+            )
+
     # -- the reference pass -----------------------------------------------------------------------------------
 
-    def reference_pass(self, trainer: Any, module: nn.Module, batch: Any, batch_idx: int) -> None:
-        """Run the micro-batch with synchronous transfers and keep its loss and gradients on the host; leave the
-        module, its gradients and the RNG streams as they were."""
+    def reference_pass(self, trainer: Any, module: nn.Module, step: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        """Run ``step`` (the training step as Lightning is about to call it, on the same arguments) with synchronous
+        transfers and keep its loss and gradients on the host; leave the module, its gradients, buffers and the
+        RNG streams as they were.
+
+        Called from inside the training step, just before the real one, so that Lightning's hooks have run. The
+        gradients the real backward adds to are known only once Lightning has zeroed them (or not: accumulation,
+        an optimizer over some parameters, an ``optimizer_zero_grad`` of the user's), at ``on_before_backward``:
+        this pass keeps its own contribution, computed from no gradients, and :meth:`check_loss` adds it to them.
+        """
+        self._loss = self._expected = self._contribution = None
         if not self.verifying(trainer):
             return
         self._step = trainer.global_step
         params = _trainable(module)
         rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
-        buffers = [(b, b.detach().to("cpu", copy=True)) for b in module.buffers()]
-        earlier = [_to_host(p.grad) for p in params]  # accumulated micro-batches: moved out while this one runs
+        buffers = [(m, name, b, b.detach().to("cpu", copy=True)) for m in module.modules() for name, b in
+                   m._buffers.items() if b is not None]  # fmt: skip
+        earlier = [_to_host(p.grad) for p in params]  # moved out while the reference pass runs
         for p in params:
             p.grad = None
         log, log_dict = module.__dict__.get("log"), module.__dict__.get("log_dict")
         module.log = module.log_dict = _muted  # type: ignore[method-assign]
+        loss: Optional[torch.Tensor] = None
         try:
-            with synchronous_transfers(), _no_sync(trainer), trainer.precision_plugin.train_step_context():
-                output = module.training_step(batch, batch_idx)
-                loss = output["loss"] if isinstance(output, dict) else output
-                closure_loss = loss / trainer.accumulate_grad_batches  # what Lightning's closure backpropagates
-            closure_loss.backward()
-            self._loss = closure_loss.detach().to("cpu", copy=True)
-            grads = [_to_host(p.grad) for p in params]
+            with synchronous_transfers(), _no_sync(trainer):
+                output = step(*args, **kwargs)
+                loss = output.get("loss") if isinstance(output, dict) else output
+                if loss is not None:
+                    closure_loss = loss / trainer.accumulate_grad_batches  # what Lightning's closure backpropagates
+                    closure_loss.backward()
+                    self._loss = closure_loss.detach().to("cpu", copy=True)
+                    grads = [_to_host(p.grad) for p in params]
         finally:
             for name, value in (("log", log), ("log_dict", log_dict)):
                 if value is None:
@@ -114,27 +147,34 @@ class StepVerifier:
             for p, grad in zip(params, earlier):
                 p.grad = grad.to(p.device) if grad is not None else None
             with torch.no_grad():
-                for buffer, saved in buffers:
+                for owner, name, buffer, saved in buffers:
+                    owner._buffers[name] = buffer  # the same tensor, even if the step assigned a new one
                     buffer.copy_(saved)
             _set_rng_states(rng)
             self.reset_engines()
-        # Lightning zeroes the gradients before the first micro-batch of each optimizer step (the gradients here are
-        # the last step's until then); later micro-batches add to what the earlier ones left
-        starts_step = batch_idx % trainer.accumulate_grad_batches == 0
-        self._expected = [g if starts_step else _sum(e, g) for e, g in zip(earlier, grads)]
-        if _syncs_gradients(trainer):
-            self._expected = _all_reduced_like_ddp(self._expected, module)
-        self.host_bytes = max(self.host_bytes, _bytes(self._expected) + _bytes(earlier))
+        if loss is None:
+            return  # the step skips itself (training_step returned None): Lightning runs no backward to compare
+        self._contribution = grads
 
     # -- the checks -------------------------------------------------------------------------------------------
 
-    def check_loss(self, trainer: Any, loss: torch.Tensor) -> None:
-        if self._loss is None:
+    def check_loss(self, trainer: Any, module: nn.Module, loss: torch.Tensor) -> None:
+        """At ``on_before_backward``: the real loss against the reference's; and what the real gradients must be
+        after this backward: the gradients now (zeroed or accumulated, as Lightning left them) plus the
+        reference's contribution (all-reduced as DDP does when this backward synchronizes)."""
+        if self._loss is None or self._contribution is None:
             return
         expected, self._loss = self._loss, None
         real = loss.detach().to("cpu")
         if not self._same(real, expected):
             raise self._error(trainer, f"the loss is {real.item()!r}, {expected.item()!r} with synchronous transfers")
+        params = _trainable(module)
+        base = [_to_host(p.grad) for p in params]
+        self._expected = [_sum(b, c) for b, c in zip(base, self._contribution)]
+        if _syncs_gradients(trainer):
+            self._expected = _all_reduced_like_ddp(self._expected, params)
+        self.host_bytes = max(self.host_bytes, _bytes(self._expected) + _bytes(self._contribution))
+        self._contribution = None
 
     def check_gradients(self, trainer: Any, module: nn.Module) -> None:
         if self._expected is None:
@@ -144,8 +184,8 @@ class StepVerifier:
         largest = 0.0
         for (name, p), want in zip(_named_trainable(module), expected):
             got = _to_host(p.grad)
-            if got is None and want is None:
-                continue
+            if got is None and (want is None or not want.any()):
+                continue  # no gradient, or (DDP with unused parameters) a reduced zero one
             if got is None or want is None or got.shape != want.shape:
                 first = first or (name, float("inf"))
                 largest = float("inf")
@@ -242,17 +282,17 @@ def _syncs_gradients(trainer: Any) -> bool:
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
-def _all_reduced_like_ddp(grads: List[Optional[torch.Tensor]], module: nn.Module) -> List[Optional[torch.Tensor]]:
+def _all_reduced_like_ddp(
+    grads: List[Optional[torch.Tensor]], params: List[nn.Parameter]
+) -> List[Optional[torch.Tensor]]:
     """DDP's reduction of local gradients: each divided by the world size, then summed over the processes (through
-    the device on backends that need device tensors)."""
+    the device on backends that need device tensors). Every process reduces every parameter, in the same order:
+    one without a gradient here (unused on this process) takes part with zeros, as in DDP."""
     world = dist.get_world_size()
-    device = next((p.device for p in _trainable(module)), torch.device("cpu"))
     reduced: List[Optional[torch.Tensor]] = []
-    for grad in grads:
-        if grad is None:
-            reduced.append(None)
-            continue
-        staged = (grad / world).to(device)
+    for grad, param in zip(grads, params):
+        local = grad if grad is not None else torch.zeros(param.shape, dtype=param.dtype)
+        staged = (local / world).to(param.device)
         dist.all_reduce(staged)
         reduced.append(staged.to("cpu"))
     return reduced

@@ -165,6 +165,9 @@ def test_one_statistic_and_ratios_that_noise_decided_are_marked():
 def test_labels_of_points_that_sit_together_are_stacked_and_kept_inside():
     offsets = bench.label_offsets([(1.0, 55.0), (1.0, 55.0), (1.01, 55.2), (2.0, 300.0), (1.5, 100.0)])
     assert [dy for _, dy, _ in offsets[:3]] == [4, -7, -18], "one line apart, not over each other"
+    # a chain of close points: each takes a line none of its close neighbours uses
+    chain = bench.label_offsets([(0.50, 1.0), (0.54, 1.0), (0.58, 1.0), (0.0, 0.0), (1.0, 2.0)])
+    assert [dy for _, dy, _ in chain[:3]] == [4, -7, 4]
     assert offsets[3][2] == "right" and offsets[3][0] < 0, "the rightmost label goes to its point's left"
     assert offsets[4][1] == 4
 

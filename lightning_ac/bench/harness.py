@@ -483,13 +483,14 @@ def label_offsets(points: Sequence[Tuple[float, float]], near: float = 0.06) -> 
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
     unit = [((x - min(xs)) / span_x, (y - min(ys)) / span_y) for x, y in points]
-    placed: List[int] = []  # indices already labelled
+    levels: List[int] = []  # per point labelled so far, its line below the point (0: just above it)
     offsets = []
-    for i, (ux, uy) in enumerate(unit):
-        crowd = sum(1 for j in placed if abs(unit[j][0] - ux) < near and abs(unit[j][1] - uy) < near)
-        placed.append(i)
+    for ux, uy in unit:
+        taken = {lv for (vx, vy), lv in zip(unit, levels) if abs(vx - ux) < near and abs(vy - uy) < near}
+        level = next(lv for lv in range(len(unit) + 1) if lv not in taken)  # the first line no close label uses
+        levels.append(level)
         right = ux > 2 / 3
-        offsets.append((-6 if right else 6, 4 - 11 * crowd, "right" if right else "left"))
+        offsets.append((-6 if right else 6, 4 - 11 * level, "right" if right else "left"))
     return offsets
 
 
@@ -545,11 +546,7 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 def main(argv: Optional[List[str]] = None) -> List[Row]:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_ac.bench",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="python -m lightning_ac.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA"
     )
@@ -562,10 +559,15 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    parser.add_argument("--reps", type=int, default=None, help="alternating repetitions per mode")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
     parser.add_argument(
-        "--out", type=Path, default=Path("bench_out"), help="where results.json, results.md, memory_time.png go"
+        "--reps", type=int, default=None, help="alternating repetitions per mode (default: the preset's)"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition (default: the preset's)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_out"),
+        help="where results.json, results.md, memory_time.png go (default: bench_out)",
     )
     parser.add_argument(
         "--budget-gib", type=float, default=None, help="print the fastest mode whose activation peak fits this budget"
