@@ -21,6 +21,34 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
 
 
+# The supported ranges' ends (pyproject.toml, lightning_ac/_compat.py): the lowest releases, pinned, and the newest
+# this machine's package index allows within the ranges (torch: the newest release on its disk, a CUDA build).
+OLDEST = ["torch==2.13.0", "transformers==5.24.0", "peft==0.21.2", "lightning==2.6.6"]
+NEWEST = ["torch==2.14.1", "transformers>=5.24,<6", "peft>=0.21.2", "lightning>=2.6.6,<2.7"]
+
+
+@nox.session(default=False)
+def oldest(session: nox.Session) -> None:
+    """The default test run with the lowest supported releases of torch, transformers, peft and Lightning."""
+    session.install(*OLDEST)
+    session.install("-e", ".[tests]", *OLDEST)
+    session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
+
+
+@nox.session(default=False)
+def newest(session: nox.Session) -> None:
+    """The default test run with the newest releases the ranges allow (downloads a CUDA build of torch: GBs)."""
+    session.install(*NEWEST)
+    session.install("-e", ".[tests]", "--upgrade-strategy", "eager", *NEWEST)
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers, peft, lightning; print(torch.__version__, "
+        "transformers.__version__, peft.__version__, lightning.__version__)",
+    )
+    session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
+
+
 @nox.session(default=False)
 def slow(session: nox.Session) -> None:
     """Longer integration tests (CPU)."""

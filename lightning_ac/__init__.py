@@ -1,5 +1,7 @@
 """lightning_ac: activation checkpointing and offloading for PyTorch Lightning, driven by one config block."""
 
+# first: importing it checks the installed releases of torch, transformers, peft and Lightning against the tested ranges
+from lightning_ac import _compat  # noqa: F401  (isort: skip)
 from lightning_ac._logging import LightningACWarning
 from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, LayerOffload, callbacks_from_config
 from lightning_ac.config import (

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_ac._compat import cached_dispatch_mode
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import OFFLOAD_TARGETS, ActivationOffloadRequest
 from lightning_ac.offload.engine import Packed, TransferEngine
@@ -172,7 +173,7 @@ class _HostStorage(dict):
 def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., Any]], Tuple[Any, Any]]:
     """A ``storage_factory`` for :class:`~lightning_ac.selective.policy.SelectivePolicy` whose saved tensors
     live on the host, prefetched one checkpointed region ahead in backward."""
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
 
     regions: List[_HostStorage] = []
 
@@ -191,7 +192,7 @@ def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., An
     def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:
         storage = _HostStorage(engine)
         regions.append(storage)  # cleared at each step start
-        cached = _CachedTorchDispatchMode(None, storage)
+        cached = cached_dispatch_mode(storage)
         return _CachingTorchDispatchMode(policy_fn, storage), Reenterable(lambda: recompute(cached, storage))
 
     factory.reset = regions.clear  # type: ignore[attr-defined]

@@ -1,0 +1,90 @@
+"""What depends on the release of torch, transformers, peft or Lightning, in one place.
+
+The supported ranges are the ones the default test run passed with (``nox -s oldest``, ``nox -s newest``); a release
+outside them fails at import with a message that names the range, instead of failing (or hanging) in step 1.
+Inside them, the branches:
+
+- torch >= 2.14: ``torch.utils.checkpoint.checkpoint`` takes ``respect_saved_tensors_hooks`` (whether what
+  selective checkpointing saves goes through the saved-tensor hooks in force). We pass ``False``, today's
+  behaviour and the one offload.selective, offload.hidden_states/all and layer offloading are built on: SAC's
+  saves are moved by offload.selective's own storage, never a second time by a hook. Older releases always
+  bypass the hooks and do not take the argument.
+- ``_CachedTorchDispatchMode`` (the recompute side of SAC's storage, which offload.selective replaces) takes
+  ``allow_cache_entry_mutation`` explicitly: the argument exists in every supported release, its default does not.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from packaging.version import Version
+
+__all__ = [
+    "CHECKPOINT_TAKES_RESPECT_HOOKS",
+    "SUPPORTED",
+    "cached_dispatch_mode",
+    "check_versions",
+    "sac_checkpoint_kwargs",
+]
+
+# package -> (lowest supported, first unsupported or None): what the test runs passed with. The upper bound of torch
+# is the newest release tested, since selective checkpointing's storage and policy are private torch APIs.
+SUPPORTED: Dict[str, Tuple[str, Optional[str]]] = {
+    "torch": ("2.13.0", "2.15"),
+    "transformers": ("5.24.0", "6"),
+    "peft": ("0.21.2", None),
+    "lightning": ("2.6.6", "2.7"),
+}
+
+CHECKPOINT_TAKES_RESPECT_HOOKS = (
+    "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+)
+
+
+def _installed(package: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _range(package: str) -> str:
+    low, high = SUPPORTED[package]
+    return f">={low}" + (f",<{high}" if high else "")
+
+
+def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> None:
+    """Raise ``ImportError`` naming the supported range when an installed release is outside it.
+
+    Args:
+        installed: ``package -> version`` to check instead of what is installed (tests).
+    """
+    for package, (low, high) in SUPPORTED.items():
+        found = installed[package] if installed is not None else _installed(package)
+        if found is None:
+            continue  # not installed: pip's dependency resolution reports it, not us
+        release = Version(Version(found).base_version)  # 2.13.0+cpu -> 2.13.0
+        if release < Version(low) or (high is not None and release >= Version(high)):
+            supported = f"{package}{_range(package)}"
+            raise ImportError(
+                f"lightning_ac supports {supported} (the releases its tests pass with), but {package} {found} is "
+                f"installed. Install a supported release: pip install '{supported}'."
+            )
+
+
+def sac_checkpoint_kwargs() -> Dict[str, Any]:
+    """The ``torch.utils.checkpoint.checkpoint`` arguments that selective checkpointing sets explicitly."""
+    return {"respect_saved_tensors_hooks": False} if CHECKPOINT_TAKES_RESPECT_HOOKS else {}
+
+
+def cached_dispatch_mode(storage: Any) -> Any:
+    """SAC's recompute-side dispatch mode over ``storage``."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    return _CachedTorchDispatchMode(None, storage, False)
+
+
+check_versions()  # at import: a release outside the tested ranges fails here, naming the range
