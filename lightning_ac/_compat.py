@@ -4,11 +4,11 @@ The supported ranges are the ones the default test run passed with (``nox -s old
 outside them fails at import with a message that names the range, instead of failing (or hanging) in step 1.
 Inside them, the branches:
 
-- torch >= 2.14: ``torch.utils.checkpoint.checkpoint`` takes ``respect_saved_tensors_hooks`` (whether what
-  selective checkpointing saves goes through the saved-tensor hooks in force). We pass ``False``, today's
-  behaviour and the one offload.selective, offload.hidden_states/all and layer offloading are built on: SAC's
-  saves are moved by offload.selective's own storage, never a second time by a hook. Older releases always
-  bypass the hooks and do not take the argument.
+- torch >= 2.14: a SAC region's caching mode has ``respect_saved_tensors_hooks`` (``checkpoint``'s argument of
+  that name sets it, but only on a ``context_fn``'s own mode, and ours wraps it): whether what selective
+  checkpointing saves goes through the saved-tensor hooks in force. We set ``False``, today's behaviour and the one
+  offload.selective, offload.hidden_states/all and layer offloading are built on: SAC's saves are moved by
+  offload.selective's own storage, never a second time by a hook. Older releases always bypass the hooks.
 - ``_CachedTorchDispatchMode`` (the recompute side of SAC's storage, which offload.selective replaces) takes
   ``allow_cache_entry_mutation`` explicitly: the argument exists in every supported release, its default does not.
 """
@@ -27,7 +27,7 @@ __all__ = [
     "SUPPORTED",
     "cached_dispatch_mode",
     "check_versions",
-    "sac_checkpoint_kwargs",
+    "sac_saves_bypass_saved_tensor_hooks",
 ]
 
 # package -> (lowest supported, first unsupported or None): what the test runs passed with. The upper bound of torch
@@ -75,9 +75,11 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> None
             )
 
 
-def sac_checkpoint_kwargs() -> Dict[str, Any]:
-    """The ``torch.utils.checkpoint.checkpoint`` arguments that selective checkpointing sets explicitly."""
-    return {"respect_saved_tensors_hooks": False} if CHECKPOINT_TAKES_RESPECT_HOOKS else {}
+def sac_saves_bypass_saved_tensor_hooks(forward_mode: Any) -> None:
+    """Tell a SAC region's caching mode that what it saves bypasses the saved-tensor hooks in force (torch >= 2.14
+    asks, and would otherwise warn and, in a later release, route the saves through the hooks)."""
+    if CHECKPOINT_TAKES_RESPECT_HOOKS and hasattr(forward_mode, "respect_saved_tensors_hooks"):
+        forward_mode.respect_saved_tensors_hooks = False
 
 
 def cached_dispatch_mode(storage: Any) -> Any:

@@ -23,7 +23,6 @@ from typing import Any, Dict, List, Optional
 
 import torch.utils.checkpoint
 
-from lightning_ac._compat import sac_checkpoint_kwargs
 from lightning_ac.layers import LayerSpec
 
 __all__ = [
@@ -154,8 +153,6 @@ class ActivationCheckpointingConfig:
     def checkpoint_kwargs(self) -> Dict[str, Any]:
         """The keyword arguments handed to ``torch.utils.checkpoint.checkpoint`` (``use_reentrant`` included)."""
         kwargs = {k: v for k, v in self.kwargs.items() if k != "every_n_layers"}
-        if self.selective is not None:  # SAC's saves bypass saved-tensor hooks: said explicitly where torch asks
-            kwargs.update(sac_checkpoint_kwargs())
         return {"use_reentrant": self.use_reentrant, **kwargs}
 
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import clone, fit, tiny_model
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload
-from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SUPPORTED, check_versions, sac_checkpoint_kwargs
+from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SUPPORTED, check_versions
 
 
 def _at(**versions):
@@ -35,10 +35,6 @@ def test_a_release_outside_the_range_fails_naming_it(versions, message):
 def test_the_range_ends_and_local_builds_pass():
     check_versions(_at())
     check_versions(_at(torch="2.14.1+cu130", transformers="5.99.0", lightning="2.6.99"))
-
-
-def test_sac_chooses_how_its_saves_meet_saved_tensor_hooks_where_torch_asks():
-    assert sac_checkpoint_kwargs() == ({"respect_saved_tensors_hooks": False} if CHECKPOINT_TAKES_RESPECT_HOOKS else {})
 
 
 @pytest.mark.skipif(not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch has no respect_saved_tensors_hooks")

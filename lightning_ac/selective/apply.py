@@ -7,7 +7,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
-from lightning_ac._compat import sac_checkpoint_kwargs
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
 from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
@@ -111,6 +110,6 @@ def apply_selective_checkpointing(
     policy.install()
     for layer in checkpointed:
         layer._gradient_checkpointing_func = functools.partial(
-            layer._gradient_checkpointing_func, context_fn=policy.context_fn, **sac_checkpoint_kwargs()
+            layer._gradient_checkpointing_func, context_fn=policy.context_fn
         )
     return _AppliedPolicy(policy, checkpointed, originals)

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_ac._compat import sac_saves_bypass_saved_tensor_hooks
 from lightning_ac._logging import LightningACWarning, log, rank_zero_warn
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
@@ -352,6 +353,8 @@ class SelectivePolicy:
             return CheckpointPolicy.MUST_SAVE if rule.mandatory else CheckpointPolicy.PREFER_SAVE
 
         storage_forward, storage_recompute = self.storage_factory(policy_fn)
+        # torch sets this only on a context_fn's own SAC mode, and ours wraps it (_forward_context)
+        sac_saves_bypass_saved_tensor_hooks(storage_forward)
         recompute = Reenterable(functools.partial(self._recompute_context, region, storage_recompute))
         return self._forward_context(region, storage_forward), recompute
 
