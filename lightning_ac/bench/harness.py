@@ -437,10 +437,7 @@ def results_markdown(rows: List[Row]) -> str:
     ]
     for r in rows:
         mib = f"{r.peak_activation_bytes / 2**20:.1f}" if r.peak_activation_bytes is not None else "—"
-        step = f"{r.step_time_s:.3f}" if r.step_time_s is not None else "—"
-        diff = f"{r.max_grad_diff:.1e}" if r.max_grad_diff is not None else "—"
-        if r.status != "ok":
-            step = r.status
+        step, diff = _step_and_diff(r)
         lines.append(
             f"| `{r.mode}` | {r.kind} | {mib} | {_ratio(r.peak_activation_bytes, off and off.peak_activation_bytes)} | "
             f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
@@ -448,6 +445,15 @@ def results_markdown(rows: List[Row]) -> str:
         )
     text = "\n".join(lines) + "\n" + (_layer_offload_markdown(offloaded) if offloaded else "")
     return text + ("\n" + NOISE_NOTE + "\n" if "x~ |" in text else "")
+
+
+def _step_and_diff(row: Row) -> Tuple[str, str]:
+    """A row's step-time cell (its status when it did not run) and max-grad-diff cell."""
+    if row.status != "ok":
+        step = row.status
+    else:
+        step = f"{row.step_time_s:.3f}" if row.step_time_s is not None else "—"
+    return step, f"{row.max_grad_diff:.1e}" if row.max_grad_diff is not None else "—"
 
 
 def _layer_offload_markdown(rows: List[Row]) -> str:
@@ -462,10 +468,7 @@ def _layer_offload_markdown(rows: List[Row]) -> str:
     ]
     for r in rows:
         peak = f"{r.peak_device_bytes / 2**20:.1f}" if r.peak_device_bytes is not None else "—"
-        step = f"{r.step_time_s:.3f}" if r.step_time_s is not None else "—"
-        diff = f"{r.max_grad_diff:.1e}" if r.max_grad_diff is not None else "—"
-        if r.status != "ok":
-            step = r.status
+        step, diff = _step_and_diff(r)
         resident = LAYER_OFFLOAD_MODES[r.mode] or "—"
         lines.append(
             f"| `{r.mode}` | {resident} | {peak} | {_ratio(r.peak_device_bytes, base and base.peak_device_bytes)} | "
