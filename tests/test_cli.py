@@ -60,7 +60,10 @@ def test_default_run_trains_and_writes_summary(tmp_path):
         (["activation_checkpointing=full"], {"enabled": True}, "2/2"),
         (["activation_checkpointing=every_2"], {"kwargs": {"every_n_layers": 2}}, "1/2"),
         (["activation_checkpointing=full", "activation_checkpointing.reentrant=true"], {"reentrant": True}, "2/2"),
-        (["model=qwen3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
+        # qwen3 also runs in test_a_boolean_mode_and_a_run_too_short_to_measure: slow session only
+        pytest.param(
+            ["model=qwen3", "activation_checkpointing=full"], {"enabled": True}, "2/2", marks=pytest.mark.slow
+        ),
         (["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
         (["activation_checkpointing=selective_attn"], {"selective": {"save": ["attention"]}}, "2/2"),
         (
@@ -73,10 +76,11 @@ def test_default_run_trains_and_writes_summary(tmp_path):
             {"selective": {"save": [], "save_modules": ["o_proj"]}},
             "2/2",
         ),
-        (
+        pytest.param(  # the same block as selective_attn, by another syntax: slow session only
             ["activation_checkpointing=full", "activation_checkpointing.selective=true"],
             {"selective": {"save": ["attention"]}},
             "2/2",
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -102,11 +106,16 @@ def test_full_matches_off_loss_and_saves_memory(tmp_path):
 @pytest.mark.parametrize(
     "overrides, targets",
     [
-        # offload_all and offload_hidden are full + one target, as the nested-group case below: slow run only
+        # Each option's block is checked without a run (test_config, test_offload); here one offload mode runs
+        # through the job in the default session (the nested-group case), the others in the slow session
         pytest.param(["activation_checkpointing=offload_all"], {"all": True}, marks=pytest.mark.slow),
-        (["activation_checkpointing=offload_only"], {"all": True}),
+        pytest.param(["activation_checkpointing=offload_only"], {"all": True}, marks=pytest.mark.slow),
         pytest.param(["activation_checkpointing=offload_hidden"], {"hidden_states": True}, marks=pytest.mark.slow),
-        (["activation_checkpointing=offload_hidden_selective"], {"hidden_states": True, "selective": True}),
+        pytest.param(
+            ["activation_checkpointing=offload_hidden_selective"],
+            {"hidden_states": True, "selective": True},
+            marks=pytest.mark.slow,
+        ),
         (["activation_checkpointing=full", "activation_checkpointing/offload=hidden_states"], {"hidden_states": True}),
     ],
 )
