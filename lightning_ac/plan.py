@@ -323,8 +323,9 @@ class Plan:
     def _wrap_training_step(self) -> None:
         """What happens at the training step itself, not at ``on_train_batch_start`` (a LightningModule whose
         ``on_train_batch_start`` returns -1 skips the step and the rest of the epoch, and nothing of ours may stay
-        hooked through ``on_train_epoch_end`` and validation; the module's own hooks have run by then, and the
-        optimizer has zeroed the gradients):
+        hooked through ``on_train_epoch_end`` and validation; the module's own hooks have run by then; Lightning
+        zeroes the gradients after this call, before backward, which is why verify mode compares at
+        ``on_before_backward``):
 
         - the offload runtime's step starts (``offload.all``'s saved-tensor hooks); it ends at
           ``on_train_batch_end``, after backward and the optimizer step;
