@@ -9,8 +9,14 @@ Inside them, the branches:
   checkpointing saves goes through the saved-tensor hooks in force. We set ``False``, today's behaviour and the one
   offload.selective, offload.hidden_states/all and layer offloading are built on: SAC's saves are moved by
   offload.selective's own storage, never a second time by a hook. Older releases always bypass the hooks.
-- ``_CachedTorchDispatchMode`` (the recompute side of SAC's storage, which offload.selective replaces) takes
-  ``allow_cache_entry_mutation`` explicitly: the argument exists in every supported release, its default does not.
+- SAC's storage (which offload.selective replaces with a host-resident one): torch >= 2.13 keys each op's saves by
+  invocation index (``storage[op][i] = entry``, with markers for recomputed and consumed entries) and no longer
+  consults the policy in the recompute; older releases keep a queue per op (``storage[op].append(entry)``, popped
+  from the front in the recompute, where the policy is asked again with ``ctx.is_recompute`` set).
+  :data:`SAC_STORAGE_INDEXED` tells them apart.
+- ``_CachedTorchDispatchMode`` (the recompute side of SAC's storage) takes ``allow_cache_entry_mutation``
+  explicitly: the argument exists in every supported release, its default does not; and the policy, which releases
+  before 2.13 call.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from packaging.version import Version
 
 __all__ = [
     "CHECKPOINT_TAKES_RESPECT_HOOKS",
+    "SAC_STORAGE_INDEXED",
     "SUPPORTED",
     "cached_dispatch_mode",
     "check_versions",
@@ -42,6 +49,9 @@ SUPPORTED: Dict[str, Tuple[str, Optional[str]]] = {
 CHECKPOINT_TAKES_RESPECT_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
 )
+
+# torch >= 2.13: storage[op] maps invocation index -> entry; before: a FIFO list of the saved entries
+SAC_STORAGE_INDEXED = hasattr(torch.utils.checkpoint, "_sac_storage_key")
 
 
 def _installed(package: str) -> Optional[str]:
@@ -82,11 +92,12 @@ def sac_saves_bypass_saved_tensor_hooks(forward_mode: Any) -> None:
         forward_mode.respect_saved_tensors_hooks = False
 
 
-def cached_dispatch_mode(storage: Any) -> Any:
-    """SAC's recompute-side dispatch mode over ``storage``."""
+def cached_dispatch_mode(policy_fn: Any, storage: Any) -> Any:
+    """SAC's recompute-side dispatch mode over ``storage`` (``policy_fn`` is the region's policy: releases before
+    2.13 ask it again in the recompute)."""
     from torch.utils.checkpoint import _CachedTorchDispatchMode
 
-    return _CachedTorchDispatchMode(None, storage, False)
+    return _CachedTorchDispatchMode(policy_fn, storage, False)
 
 
 check_versions()  # at import: a release outside the tested ranges fails here, naming the range

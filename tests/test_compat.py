@@ -5,10 +5,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from conftest import clone, fit, tiny_model
+from torch.utils.checkpoint import _VersionWrapper
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload
-from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SUPPORTED, check_versions
+from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SAC_STORAGE_INDEXED, SUPPORTED, check_versions
+from lightning_ac.offload.activations import _HostQueue, _HostSlots, _HostStorage
+from lightning_ac.offload.engine import Packed, TransferEngine
 
 
 def _at(**versions):
@@ -46,3 +50,41 @@ def test_sac_under_offload_hooks_says_what_it_does_and_torch_does_not_warn():
         fit(clone(tiny_model("llama")), [ActivationCheckpointing(selective=True),
                                           ActivationOffload(hidden_states="cpu", copy_on_host=True)])  # fmt: skip
     assert not [w for w in caught if "respect_saved_tensors_hooks" in str(w.message)]
+
+
+def _saved(*values):
+    """An op's output as torch's SAC caching mode stores it: each tensor in a _VersionWrapper."""
+    return tuple(_VersionWrapper(v) for v in values)
+
+
+@pytest.mark.parametrize("layout", ["indexed", "queue"])
+def test_offload_selective_storage_speaks_both_sac_storage_layouts(layout):
+    """torch >= 2.13 stores SAC saves as storage[op][index] (with markers for recomputed ops); older releases as a
+    queue per op, appended in the forward and popped from the front in the recompute. offload.selective's storage
+    moves the saved tensors to the host and back in both; the one this torch uses is picked by _HostStorage."""
+    engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+    engine.start_step()
+    first, second = torch.arange(6.0), torch.ones(2, 3)
+    marker = object()  # torch >= 2.13's "recompute this one" entry: not a save, left as it is
+    if layout == "indexed":
+        slots = _HostSlots(engine)
+        slots[0], slots[1], slots[2] = _saved(first), marker, _saved(second, 7)
+    else:
+        slots = _HostQueue(engine)
+        slots.append(_saved(first))
+        slots.append(_saved(second, 7))
+    packed = slots.packed()
+    assert len(packed) == 2 and all(isinstance(p, Packed) for p in packed)
+    if layout == "indexed":
+        back_first, back_second = slots.get(0), slots.get(2)
+        assert slots.get(1) is marker
+    else:
+        back_first, back_second = slots.pop(0), slots.pop(0)
+        assert not slots
+    assert torch.equal(back_first[0].get_val(False), first)
+    assert torch.equal(back_second[0].get_val(False), second) and back_second[1].get_val(False) == 7
+    assert back_first[0].val.data_ptr() != first.data_ptr(), "a copy came back, not the forward's tensor"
+    engine.finish_step()
+    assert engine.last_step["selective"] == {"tensors": 2, "bytes": first.nbytes + second.nbytes}
+    expected = _HostSlots if SAC_STORAGE_INDEXED else _HostQueue
+    assert type(_HostStorage(engine)[torch.ops.aten.mm.default]) is expected

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac._compat import cached_dispatch_mode
+from lightning_ac._compat import SAC_STORAGE_INDEXED, cached_dispatch_mode
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import OFFLOAD_TARGETS, ActivationOffloadRequest
 from lightning_ac.offload.engine import Packed, TransferEngine
@@ -90,14 +90,13 @@ def offloading_checkpoint(checkpoint_fn: Callable[..., Any], offloader: SavedTen
     return checkpoint_offloading_inputs
 
 
-class _HostSlots(dict):
-    """One op's saved outputs in one region (index -> entry), kept on the host until the recompute."""
+class _HostEntries:
+    """One op's saved outputs in one region, kept on the host until the recompute: the offload on the way in, the
+    reload on the way out, around whichever container torch's SAC modes use (see :data:`SAC_STORAGE_INDEXED`)."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        super().__init__()
-        self.engine = engine
+    engine: TransferEngine
 
-    def __setitem__(self, index: int, entry: Any) -> None:
+    def _offload(self, entry: Any) -> Any:
         from torch.utils._pytree import tree_map
 
         def offload(wrapper: Any) -> Any:
@@ -109,14 +108,11 @@ class _HostSlots(dict):
                 wrapper.val = self.engine.pack(value, "selective")
             return wrapper
 
-        if _is_entry(entry):
-            entry = tree_map(offload, entry, is_leaf=_is_wrapper)
-        super().__setitem__(index, entry)
+        return tree_map(offload, entry, is_leaf=_is_wrapper) if _is_entry(entry) else entry
 
-    def get(self, index: int, default: Any = None) -> Any:  # type: ignore[override]
+    def _reload(self, entry: Any) -> Any:
         from torch.utils._pytree import tree_map
 
-        entry = super().get(index, default)
         if not _is_entry(entry):
             return entry
 
@@ -129,11 +125,14 @@ class _HostSlots(dict):
 
         return tree_map(reload, entry, is_leaf=_is_wrapper)
 
+    def entries(self) -> Iterator[Any]:
+        raise NotImplementedError
+
     def packed(self) -> List[Packed]:
         from torch.utils._pytree import tree_leaves
 
         found = []
-        for entry in self.values():
+        for entry in self.entries():
             if _is_entry(entry):
                 found.extend(
                     w.val
@@ -141,6 +140,41 @@ class _HostSlots(dict):
                     if isinstance(getattr(w, "val", None), Packed)
                 )
         return found
+
+
+class _HostSlots(_HostEntries, dict):
+    """torch >= 2.13: invocation index -> entry (or a recompute/consumed marker, which stays as it is)."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __setitem__(self, index: int, entry: Any) -> None:
+        super().__setitem__(index, self._offload(entry))
+
+    def get(self, index: int, default: Any = None) -> Any:  # type: ignore[override]
+        return self._reload(super().get(index, default))
+
+    def entries(self) -> Iterator[Any]:
+        return iter(self.values())
+
+
+class _HostQueue(_HostEntries, list):
+    """torch < 2.13: the saved entries in call order, appended in the forward and popped from the front in the
+    recompute."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def append(self, entry: Any) -> None:
+        super().append(self._offload(entry))
+
+    def pop(self, index: int = -1) -> Any:  # type: ignore[override]
+        return self._reload(super().pop(index))
+
+    def entries(self) -> Iterator[Any]:
+        return iter(self)
 
 
 def _is_wrapper(x: Any) -> bool:
@@ -160,8 +194,8 @@ class _HostStorage(dict):
         super().__init__()
         self.engine = engine
 
-    def __missing__(self, key: Any) -> _HostSlots:
-        slots = self[key] = _HostSlots(self.engine)
+    def __missing__(self, key: Any) -> _HostEntries:
+        slots = self[key] = (_HostSlots if SAC_STORAGE_INDEXED else _HostQueue)(self.engine)
         return slots
 
     def prefetch(self) -> None:
@@ -192,7 +226,7 @@ def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., An
     def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:
         storage = _HostStorage(engine)
         regions.append(storage)  # cleared at each step start
-        cached = cached_dispatch_mode(storage)
+        cached = cached_dispatch_mode(policy_fn, storage)
         return _CachingTorchDispatchMode(policy_fn, storage), Reenterable(lambda: recompute(cached, storage))
 
     factory.reset = regions.clear  # type: ignore[attr-defined]

@@ -65,8 +65,10 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def _use_count(tensor: torch.Tensor) -> int:
-    """How many tensors hold ``tensor``'s memory (less the storage object this call makes)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+    """How many tensors hold ``tensor``'s memory (less the storage object this call holds)."""
+    # Held in a name: a temporary's reference may or may not be dropped before the count (torch < 2.10 drops it)
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
 def _poison(tensor: torch.Tensor) -> None:

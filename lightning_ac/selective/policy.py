@@ -264,13 +264,21 @@ class SelectivePolicy:
             rule = self.registered_rules[id(entry)] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
         return rule
 
-    def decide(self, region: _Region, func: Any, args: tuple, kwargs: dict) -> Optional[RuleStats]:
-        """The rule that saves this op, or ``None`` to recompute it."""
+    def decide(self, region: _Region, func: Any, args: tuple, kwargs: dict, count: bool = True) -> Optional[RuleStats]:
+        """The rule that saves this op, or ``None`` to recompute it.
+
+        Args:
+            region: The checkpointed call the op runs in.
+            func: The op.
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
+            count: Count the match in the rule's statistics (not when a recompute asks again).
+        """
         name = op_name(func)
         for entry in registered_saves():
             if entry.matches(name):
                 rule = self._registered_rule(entry)
-                rule.matched_ops += 1
+                rule.matched_ops += count
                 return rule
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
@@ -281,7 +289,7 @@ class SelectivePolicy:
             if (attention and entry == "attention") or (
                 entry != "attention" and entry in name and "backward" not in name
             ):
-                rule.matched_ops += 1
+                rule.matched_ops += count
                 if attention and (
                     self.recomputes_attention(region.layer_type)
                     or (not cfg.save_sliding_window and sliding_window_of(func, args, kwargs))
@@ -293,14 +301,14 @@ class SelectivePolicy:
         for entry, depth in self._active.items():
             if depth > 0:
                 rule = self.module_rules[entry]
-                rule.matched_ops += 1
+                rule.matched_ops += count
                 return rule
         if self.threshold_rule is not None:
             k = matmul_k(name, args)
             if k is not None:
                 self.threshold_rule.max_k = max(self.threshold_rule.max_k, k)
                 if k >= (cfg.save_matmul_min_k or 0):
-                    self.threshold_rule.matched_ops += 1
+                    self.threshold_rule.matched_ops += count
                     return self.threshold_rule
         return None
 
@@ -346,7 +354,9 @@ class SelectivePolicy:
         )
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            rule = self.decide(region, func, args, kwargs)
+            # torch < 2.13 asks again in the recompute (whether to take the op's output from the storage): the same
+            # decision, not counted in the rules' statistics a second time
+            rule = self.decide(region, func, args, kwargs, count=not ctx.is_recompute)
             region.last_rule = rule
             if rule is None:
                 return CheckpointPolicy.PREFER_RECOMPUTE
