@@ -23,8 +23,8 @@ def tests(session: nox.Session) -> None:
 
 # The supported ranges' ends (pyproject.toml, lightning_ac/_compat.py): the lowest releases, pinned, and the newest
 # this machine's package index allows within the ranges (torch: the newest release on its disk, a CUDA build).
-OLDEST = ["torch==2.13.0", "transformers==5.24.0", "peft==0.21.2", "lightning==2.6.6"]
-NEWEST = ["torch==2.14.1", "transformers>=5.24,<6", "peft>=0.21.2", "lightning>=2.6.6,<2.7"]
+OLDEST = ["torch==2.9.1", "transformers==5.23.0", "peft==0.18.0", "lightning==2.6.0"]
+NEWEST = ["torch==2.14.1", "transformers>=5.23,<6", "peft>=0.18.0", "lightning>=2.6.0,<2.7"]
 
 
 @nox.session(default=False)

@@ -40,10 +40,10 @@ __all__ = [
 # package -> (lowest supported, first unsupported or None): what the test runs passed with. The upper bound of torch
 # is the newest release tested, since selective checkpointing's storage and policy are private torch APIs.
 SUPPORTED: Dict[str, Tuple[str, Optional[str]]] = {
-    "torch": ("2.13.0", "2.15"),
-    "transformers": ("5.24.0", "6"),
-    "peft": ("0.21.2", None),
-    "lightning": ("2.6.6", "2.7"),
+    "torch": ("2.9.1", "2.15"),
+    "transformers": ("5.23.0", "6"),
+    "peft": ("0.18.0", None),
+    "lightning": ("2.6.0", "2.7"),
 }
 
 CHECKPOINT_TAKES_RESPECT_HOOKS = (

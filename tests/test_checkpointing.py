@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import lightning.pytorch as pl
@@ -362,11 +363,13 @@ def test_layer_wrapper_refuses_a_cache_that_holds_tokens():
     model = tiny_model("llama").train()
     _wrap_with_torch_checkpoint(model)
     ids = batches().dataset.tensors[0][:2]
-    cache = DynamicCache(config=model.config)
+    # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.config)}
     with torch.no_grad():
-        model(input_ids=ids[:, :4], cache=cache, use_cache=True)  # 4 tokens, as prefix tuning would hold
-    with pytest.raises(RuntimeError, match="KV cache \\(cache\\) that already holds 4 tokens.*prefix tuning"):
-        model(input_ids=ids, cache=cache, labels=ids)
+        model(input_ids=ids[:, :4], use_cache=True, **cache)  # 4 tokens, as prefix tuning would hold
+    with pytest.raises(RuntimeError, match=f"KV cache \\({name}\\) that already holds 4 tokens.*prefix tuning"):
+        model(input_ids=ids, labels=ids, **cache)
 
 
 def test_layer_wrapper_keeps_cache_named_inputs_of_plain_torch_layers():

@@ -24,11 +24,11 @@ def _at(**versions):
 @pytest.mark.parametrize(
     "versions, message",
     [
-        ({"torch": "2.8.0"}, r"supports torch>=2\.13\.0,<2\.15 .* but torch 2\.8\.0 is installed.*pip install"),
-        ({"torch": "2.15.0+cu130"}, r"torch>=2\.13\.0,<2\.15"),
-        ({"transformers": "5.0.0"}, r"transformers>=5\.24\.0,<6"),
-        ({"lightning": "2.7.0"}, r"lightning>=2\.6\.6,<2\.7"),
-        ({"peft": "0.17.0"}, r"peft>=0\.21\.2 "),
+        ({"torch": "2.9.0"}, r"supports torch>=2\.9\.1,<2\.15 .* but torch 2\.9\.0 is installed.*pip install"),
+        ({"torch": "2.15.0+cu130"}, r"torch>=2\.9\.1,<2\.15"),
+        ({"transformers": "5.22.2"}, r"transformers>=5\.23\.0,<6"),
+        ({"lightning": "2.7.0"}, r"lightning>=2\.6\.0,<2\.7"),
+        ({"peft": "0.17.1"}, r"peft>=0\.18\.0 "),
     ],
 )
 def test_a_release_outside_the_range_fails_naming_it(versions, message):
