@@ -42,14 +42,28 @@ def test_the_range_ends_and_local_builds_pass():
 
 
 @pytest.mark.skipif(not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch has no respect_saved_tensors_hooks")
-def test_sac_under_offload_hooks_says_what_it_does_and_torch_does_not_warn():
+@pytest.mark.parametrize("respect", [False, True])
+def test_sac_saves_bypass_the_offload_hooks_because_we_say_so(respect, monkeypatch):
     """torch >= 2.14 warns when saved-tensor hooks surround a SAC region and nobody chose whether SAC's saves go
-    through them; offload.hidden_states (and layer offloading) install such hooks, and we choose: they bypass."""
+    through them (a later release will route them through by default). offload.hidden_states installs such hooks
+    around each checkpoint call, for the layer's inputs only; we choose: SAC's saves bypass them (offload.selective
+    moves those). With the other choice forced, SAC's saves (2 per layer) would go through the hooks too."""
+    import lightning_ac.selective.policy as policy_module
+
+    if respect:
+        monkeypatch.setattr(
+            policy_module,
+            "sac_saves_bypass_saved_tensor_hooks",
+            lambda mode: setattr(mode, "respect_saved_tensors_hooks", True),
+        )
+    offload = ActivationOffload(hidden_states="cpu", copy_on_host=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(clone(tiny_model("llama")), [ActivationCheckpointing(selective=True),
-                                          ActivationOffload(hidden_states="cpu", copy_on_host=True)])  # fmt: skip
+        fit(clone(tiny_model("llama")), [ActivationCheckpointing(selective=True), offload])
     assert not [w for w in caught if "respect_saved_tensors_hooks" in str(w.message)]
+    layer_inputs = 4  # one per checkpointed layer
+    moved = offload.last_step["hidden_states"]["tensors"]
+    assert moved == (layer_inputs + 2 * 4 if respect else layer_inputs)
 
 
 def _saved(*values):
