@@ -384,15 +384,13 @@ class LayerWeightStreamer:
             "Free host memory, use fewer data-parallel processes per machine, or set layer_offloading: false.",
         )
         for layer in self.layers:
-            layer.host, layer.buffer = self._host_copies([slot.get() for slot in layer.slots])
-            for slot, host in zip(layer.slots, layer.host):
-                slot.set(host)
+            self._rehost(layer)  # no old buffer yet
         self._count_host_bytes()
         self._offloaded = True
 
     def _rehost(self, layer: _Layer) -> None:
-        """Copy the layer's tensors, as they are now, into a new host buffer, and let the old one go (unpinned:
-        a dtype conversion must not leave the old dtype's buffer page-locked beside the new one)."""
+        """Copy the layer's tensors, as they are now, into a new host buffer, and let the old one, if any, go
+        (unpinned: a dtype conversion must not leave the old dtype's buffer page-locked beside the new one)."""
         old = layer.buffer
         layer.host, layer.buffer = self._host_copies([slot.get() for slot in layer.slots])
         for slot, host in zip(layer.slots, layer.host):
