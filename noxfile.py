@@ -22,7 +22,8 @@ def tests(session: nox.Session) -> None:
 
 
 # The supported ranges' ends (pyproject.toml, lightning_ac/_compat.py): the lowest releases, pinned, and the newest
-# this machine's package index allows within the ranges (torch: the newest release on its disk, a CUDA build).
+# this machine's package index allows within the ranges (torch 2.14.1: 2.15.0 does not resolve there). Both torch
+# pins are CUDA builds (GBs of nvidia packages), which run the CPU tests.
 OLDEST = ["torch==2.9.1", "transformers==5.23.0", "peft==0.18.0", "lightning==2.6.0"]
 NEWEST = ["torch==2.14.1", "transformers>=5.23,<6", "peft>=0.18.0", "lightning>=2.6.0,<2.7"]
 
