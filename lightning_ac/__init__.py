@@ -19,6 +19,7 @@ from lightning_ac.selective import (
     register_mandatory_save,
     register_preferred_save,
 )
+from lightning_ac.selfcheck import IncompatibleReleaseError
 from lightning_ac.verify import OffloadVerificationError
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "ActivationOffload",
     "ConfigError",
+    "IncompatibleReleaseError",
     "LayerOffload",
     "LightningACWarning",
     "LegacyConfigWarning",

@@ -1,8 +1,14 @@
 """What depends on the release of torch, transformers, peft or Lightning, in one place.
 
-The supported ranges are the ones the default test run passed with (``nox -s oldest``, ``nox -s newest``); a release
-outside them fails at import with a message that names the range, instead of failing (or hanging) in step 1.
-Inside them, the branches:
+:data:`TESTED` holds, for each package, the lowest release the default test run passed with (``nox -s oldest``) and
+the newest (``nox -s newest``). Below the lowest, importing lightning_ac fails, naming the range: those releases are
+known to fail. Above the newest, importing warns once (a :class:`~lightning_ac.LightningACWarning`, rank zero) and
+each feature that relies on private behaviour of that package checks itself the first time it is applied
+(:mod:`lightning_ac.selfcheck`), so that a release that broke it fails before the first step, naming the feature,
+instead of training wrong. ``pyproject.toml`` caps only at the next major release, so that installing lightning_ac
+never replaces a user's newer torch.
+
+The branches inside the tested ranges:
 
 - torch >= 2.14: a SAC region's caching mode has ``respect_saved_tensors_hooks`` (``checkpoint``'s argument of
   that name sets it, but only on a ``context_fn``'s own mode, and ours wraps it): whether what selective
@@ -31,19 +37,21 @@ from packaging.version import Version
 __all__ = [
     "CHECKPOINT_TAKES_RESPECT_HOOKS",
     "SAC_STORAGE_INDEXED",
-    "SUPPORTED",
+    "TESTED",
     "cached_dispatch_mode",
     "check_versions",
+    "installed_release",
     "sac_saves_bypass_saved_tensor_hooks",
+    "tested_range",
+    "untested_release",
 ]
 
-# package -> (lowest supported, first unsupported or None): what the test runs passed with. The upper bound of torch
-# is the newest release tested, since selective checkpointing's storage and policy are private torch APIs.
-SUPPORTED: Dict[str, Tuple[str, Optional[str]]] = {
-    "torch": ("2.9.1", "2.15"),
-    "transformers": ("5.23.0", "6"),
-    "peft": ("0.18.0", None),
-    "lightning": ("2.6.0", "2.7"),
+# package -> (lowest release tested, newest release tested): the ends of what the default test run passed with.
+TESTED: Dict[str, Tuple[str, str]] = {
+    "torch": ("2.9.1", "2.14.1"),
+    "transformers": ("5.23.0", "5.24.0"),
+    "peft": ("0.18.0", "0.21.2"),
+    "lightning": ("2.6.0", "2.6.6"),
 }
 
 CHECKPOINT_TAKES_RESPECT_HOOKS = (
@@ -54,35 +62,73 @@ CHECKPOINT_TAKES_RESPECT_HOOKS = (
 SAC_STORAGE_INDEXED = hasattr(torch.utils.checkpoint, "_sac_storage_key")
 
 
-def _installed(package: str) -> Optional[str]:
+def installed_release(package: str) -> Optional[str]:
+    """The installed release of ``package`` (``2.15.0+cu130``), or ``None`` when it is not installed."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _range(package: str) -> str:
-    low, high = SUPPORTED[package]
-    return f">={low}" + (f",<{high}" if high else "")
+def tested_range(package: str) -> str:
+    """The tested releases of ``package``, as messages name them: ``torch 2.9.1 to 2.14.1``."""
+    low, high = TESTED[package]
+    return f"{package} {low} to {high}"
 
 
-def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> None:
-    """Raise ``ImportError`` naming the supported range when an installed release is outside it.
+def _newer_than_tested(package: str, found: str) -> bool:
+    version, newest = Version(found), Version(TESTED[package][1])
+    release = Version(version.base_version)  # 2.15.0+cu130 -> 2.15.0, 2.16.0.dev20261201 -> 2.16.0
+    # a pre-release or nightly of the newest tested release is not that release
+    return release > newest or (release == newest and (version.is_prerelease or version.is_devrelease))
+
+
+def untested_release(package: str, installed: Optional[Dict[str, Optional[str]]] = None) -> Optional[str]:
+    """The installed release of ``package`` if it is newer than the newest tested one, else ``None``.
+
+    Args:
+        package: A key of :data:`TESTED`.
+        installed: ``package -> version`` to judge instead of what is installed (tests).
+    """
+    found = installed.get(package) if installed is not None else installed_release(package)
+    return found if found is not None and _newer_than_tested(package, found) else None
+
+
+def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> Dict[str, str]:
+    """Fail for a release below the tested ones; warn (rank zero) for each release newer than the tested ones.
 
     Args:
         installed: ``package -> version`` to check instead of what is installed (tests).
+
+    Returns:
+        ``package -> release`` for each package newer than the newest tested release.
+
+    Raises:
+        ImportError: If an installed release is older than the oldest tested one, naming the tested range.
     """
-    for package, (low, high) in SUPPORTED.items():
-        found = installed[package] if installed is not None else _installed(package)
+    newer: Dict[str, str] = {}
+    for package, (low, _) in TESTED.items():
+        found = installed.get(package) if installed is not None else installed_release(package)
         if found is None:
             continue  # not installed: pip's dependency resolution reports it, not us
-        release = Version(Version(found).base_version)  # 2.13.0+cpu -> 2.13.0
-        if release < Version(low) or (high is not None and release >= Version(high)):
-            supported = f"{package}{_range(package)}"
+        if Version(Version(found).base_version) < Version(low):
             raise ImportError(
-                f"lightning_ac supports {supported} (the releases its tests pass with), but {package} {found} is "
-                f"installed. Install a supported release: pip install '{supported}'."
+                f"lightning_ac needs {package}>={low}, but {package} {found} is installed; older releases are known "
+                f"to fail its tests (tested: {tested_range(package)}). Upgrade: pip install '{package}>={low}'."
             )
+        if _newer_than_tested(package, found):
+            newer[package] = found
+    for package, found in newer.items():
+        from lightning_ac._logging import rank_zero_warn  # imports Lightning, whose release is checked above
+
+        rank_zero_warn(
+            f"{package} {found} is newer than the releases lightning_ac was tested with ({tested_range(package)}). "
+            "Each feature that relies on its private behaviour checks itself on a toy model the first time it is "
+            "applied, and raises IncompatibleReleaseError before the first step if it is broken. To silence this "
+            f"warning, install a tested release: pip install '{package}<={TESTED[package][1]}'.",
+            stacklevel=2,
+        )
+    return newer
 
 
 def sac_saves_bypass_saved_tensor_hooks(forward_mode: Any) -> None:
@@ -100,4 +146,4 @@ def cached_dispatch_mode(policy_fn: Any, storage: Any) -> Any:
     return _CachedTorchDispatchMode(policy_fn, storage, False)
 
 
-check_versions()  # at import: a release outside the tested ranges fails here, naming the range
+check_versions()  # at import: an older release fails here, naming the range; a newer one warns (once: import runs once)

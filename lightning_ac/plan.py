@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ac import selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES
@@ -163,6 +164,7 @@ class Plan:
         self._trainer = trainer
         self._stage = str(trainer.state.fn.value if trainer.state.fn is not None else "run")
         self._offload_here = self._offload_wanted()
+        self._check_releases()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
             if not self._offload_here:
                 return
@@ -180,6 +182,13 @@ class Plan:
             self._defer_until_configured(module)
         else:
             raise self._no_layers_error(module)
+
+    def _check_releases(self) -> None:
+        """On a release newer than the tested ones, the features this plan applies check themselves first."""
+        cfg, request = self.config, self.activation_offload_request
+        targets = request.offload.targets if request is not None and self._offload_here else []
+        layer_offloading = self.layer_offload_request is not None
+        selfcheck.ensure(selfcheck.features_of(cfg.enabled, cfg.selective is not None, targets, layer_offloading))
 
     def _resolve_reentrant(self, trainer: pl.Trainer) -> None:
         """``reentrant: null`` means non-reentrant, except under DeepSpeed ZeRO-3, where non-reentrant recompute
