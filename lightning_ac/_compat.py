@@ -126,7 +126,9 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> Dict
             "Each feature that relies on its private behaviour checks itself on a toy model the first time it is "
             "applied, and raises IncompatibleReleaseError before the first step if it is broken. To silence this "
             f"warning, install a tested release: pip install '{package}<={TESTED[package][1]}'.",
-            stacklevel=2,
+            # the user's import line: past Lightning's rank_zero_warn (3 frames), ours, this function, this module's
+            # import and lightning_ac/__init__'s (warnings skips importlib's frames)
+            stacklevel=8,
         )
     return newer
 

@@ -1,22 +1,25 @@
-"""The supported ranges, checked at import, and the branches that depend on the torch release."""
+"""The tested ranges, checked at import, and the branches that depend on the torch release."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import clone, fit, tiny_model
+from packaging.requirements import Requirement
+from packaging.version import Version
 from torch.utils.checkpoint import _VersionWrapper
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload
-from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SAC_STORAGE_INDEXED, SUPPORTED, check_versions
+from lightning_ac import ActivationCheckpointing, ActivationOffload, LightningACWarning
+from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SAC_STORAGE_INDEXED, TESTED, check_versions
 from lightning_ac.offload.activations import _HostQueue, _HostSlots, _HostStorage
 from lightning_ac.offload.engine import Packed, TransferEngine
 
 
-def _at(**versions):
-    installed = {package: low for package, (low, _) in SUPPORTED.items()}
+def _at(end=0, **versions):
+    installed = {package: ends[end] for package, ends in TESTED.items()}
     installed.update(versions)
     return installed
 
@@ -24,21 +27,64 @@ def _at(**versions):
 @pytest.mark.parametrize(
     "versions, message",
     [
-        ({"torch": "2.9.0"}, r"supports torch>=2\.9\.1,<2\.15 .* but torch 2\.9\.0 is installed.*pip install"),
-        ({"torch": "2.15.0+cu130"}, r"torch>=2\.9\.1,<2\.15"),
-        ({"transformers": "5.22.2"}, r"transformers>=5\.23\.0,<6"),
-        ({"lightning": "2.7.0"}, r"lightning>=2\.6\.0,<2\.7"),
-        ({"peft": "0.17.1"}, r"peft>=0\.18\.0 "),
+        ({"torch": "2.9.0"}, r"needs torch>=2\.9\.1, but torch 2\.9\.0 is installed.*pip install 'torch>=2\.9\.1'"),
+        ({"torch": "2.8.0+cu128"}, r"tested: torch 2\.9\.1 to "),
+        ({"transformers": "5.22.2"}, r"needs transformers>=5\.23\.0"),
+        ({"lightning": "2.5.6"}, r"needs lightning>=2\.6\.0"),
+        ({"peft": "0.17.1"}, r"needs peft>=0\.18\.0"),
     ],
 )
-def test_a_release_outside_the_range_fails_naming_it(versions, message):
+def test_a_release_older_than_the_tested_ones_fails_naming_the_floor(versions, message):
     with pytest.raises(ImportError, match=message):
         check_versions(_at(**versions))
 
 
-def test_the_range_ends_and_local_builds_pass():
-    check_versions(_at())
-    check_versions(_at(torch="2.14.1+cu130", transformers="5.99.0", lightning="2.6.99"))
+@pytest.mark.parametrize("end", [0, 1])
+def test_the_tested_ends_and_their_local_builds_pass_in_silence(end):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_versions(_at(end)) == {}
+        local = {p: v + "+cu130" for p, v in _at(end).items() if p == "torch"}
+        assert check_versions(_at(end, **local)) == {}
+
+
+@pytest.mark.parametrize(
+    "package, release",
+    [
+        ("torch", "2.99.0+cu130"),
+        ("torch", "3.0.0"),
+        ("torch", "2.99.0.dev20261201+cpu"),
+        ("torch", TESTED["torch"][1] + "rc1"),  # a pre-release of the newest tested is not what was tested
+        ("lightning", "2.7.0"),
+        ("transformers", "5.99.0"),
+        ("peft", "0.99.0"),
+    ],
+)
+def test_a_release_newer_than_the_tested_ones_warns_naming_it_and_the_range(package, release):
+    low, high = TESTED[package]
+    with pytest.warns(LightningACWarning) as caught:
+        assert check_versions(_at(1, **{package: release})) == {package: release}
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert (
+        f"{package} {release} is newer than the releases lightning_ac was tested with ({package} {low} to {high})"
+        in (message)
+    )
+    assert "IncompatibleReleaseError" in message and f"pip install '{package}<={high}'" in message
+
+
+def test_pyproject_declares_the_tested_floors_and_caps_at_the_next_major_release_only():
+    """pip must be able to install lightning_ac next to a newer torch or Lightning without replacing it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    declared = {r.name: r.specifier for r in map(Requirement, project["dependencies"])}
+    for package, (low, high) in TESTED.items():
+        specifier = declared[package]
+        floors = [Version(s.version) for s in specifier if s.operator == ">="]
+        assert floors == [Version(low)], f"{package}: the floor is the oldest tested release"
+        major = Version(low).major
+        assert specifier.contains(high) and specifier.contains(f"{major}.99.0"), f"{package}: capped below {major + 1}"
+        assert package == "peft" or not specifier.contains(f"{major + 1}.0.0"), f"{package}: the next major is out"
 
 
 @pytest.mark.skipif(not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch has no respect_saved_tensors_hooks")

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ac._compat import TESTED, installed_release, tested_range, untested_release
+from lightning_ac import _compat
+from lightning_ac._compat import TESTED, tested_range, untested_release
 from lightning_ac._logging import rank_zero_info
 
 __all__ = ["FEATURES", "IncompatibleReleaseError", "ensure", "features_of", "run_check"]
@@ -86,37 +87,51 @@ def _toy() -> Tuple[nn.Module, torch.Tensor]:
     return model, torch.randint(0, config.vocab_size, (2, 8))
 
 
-class _CountAttention(TorchDispatchMode):
-    """Counts the attention kernels that run, forward and backward: a recompute runs each layer's again, an output
-    that selective checkpointing kept does not (SAC's modes answer it from their storage, above this one)."""
+class _CountOps(TorchDispatchMode):
+    """Counts the matmuls and attention kernels that run, forward and backward: a recompute runs a layer's again,
+    but not an output that selective checkpointing kept (SAC's modes, above this one, answer it from their storage)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls = 0
+        self.matmuls = self.attention = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        from lightning_ac.selective.ops import is_attention, op_name
+        from lightning_ac.selective.ops import is_attention, is_matmul, op_name
 
-        self.calls += is_attention(op_name(func))
+        name = op_name(func)
+        self.matmuls += is_matmul(name)
+        self.attention += is_attention(name)
         return func(*args, **(kwargs or {}))
 
 
 @dataclass
 class _Step:
-    """One training step's loss, gradients and attention kernel count."""
+    """One training step's loss and gradients, and how many matmuls and attention kernels ran."""
 
     loss: torch.Tensor
     grads: Dict[str, torch.Tensor]
+    matmuls: int
     attention: int
 
 
 def _train_step(model: nn.Module, ids: torch.Tensor) -> _Step:
     model.zero_grad(set_to_none=True)
-    with _CountAttention() as counter:
+    with _CountOps() as counter:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return _Step(loss.detach(), grads, counter.calls)
+    return _Step(loss.detach(), grads, counter.matmuls, counter.attention)
+
+
+def _recomputed_but_attention(reference: _Step, step: _Step, what: str) -> None:
+    """Under selective checkpointing saving attention: the layers were recomputed, their attention was not."""
+    if step.matmuls <= reference.matmuls:
+        raise _Broken(f"{what} recomputed nothing ({step.matmuls} matmuls ran in the step, as many without it)")
+    if step.attention != reference.attention:
+        raise _Broken(
+            f"attention ran {step.attention} times in a step where {what} saves it ({reference.attention} without "
+            "checkpointing): SAC's caching modes did not keep what the policy saved"
+        )
 
 
 def _bitwise(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -267,11 +282,7 @@ def _check_selective() -> None:
     policy, _ = _checkpointed(model, selective=True)
     step = _train_step(model, ids)
     _same_as(reference, step, "selective checkpointing")
-    if step.attention != reference.attention:
-        raise _Broken(
-            f"attention ran {step.attention} times in a step where selective checkpointing saves it "
-            f"({reference.attention} without checkpointing): SAC's caching modes did not keep what the policy saved"
-        )
+    _recomputed_but_attention(reference, step, "selective checkpointing")
     if policy.problems():
         raise _Broken(policy.problems()[0])
 
@@ -285,8 +296,7 @@ def _check_offload_selective() -> None:
     _checkpointed(model, selective=True, runtime=runtime)
     step, moved = _offloaded_step(model, ids, runtime, "selective")
     _same_as(reference, step, "offload.selective")
-    if step.attention != reference.attention:
-        raise _Broken("the attention outputs SAC saved in host memory were recomputed instead of read back")
+    _recomputed_but_attention(reference, step, "offload.selective")
     if moved < _LAYERS:
         raise _Broken(
             f"{moved} tensors went to host memory, where selective checkpointing saves at least one attention output "
@@ -340,33 +350,44 @@ def _check_offload_all() -> None:
 
 def _check_layer_offloading() -> None:
     """Layer offloading: the frozen decoder-layer weights live on the host and visit the device one layer at a time,
-    in the forward and for the backward (a recompute included), with exact gradients for the trainable rest."""
+    in the forward and for the backward (a recompute included), with exact gradients for the trainable rest; what
+    else a layer saves goes on to the saved-tensor hooks in force (offload.all's)."""
     from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 
     model, ids = _toy()
     for layer in _layers(model).modules:
         layer.requires_grad_(False)
     reference = _train_step(copy.deepcopy(model), ids)
-    for recompute in (False, True):
+    all_alone = copy.deepcopy(model)
+    _, moved_alone = _offloaded_step(all_alone, ids, _offload_runtime(all_alone, all="cpu"), "all")
+    for case in ("alone", "with recompute", "with offload.all"):
         toy = copy.deepcopy(model)
         modules = _layers(toy).modules
-        params = frozen_layer_parameters(modules)
-        streamer = LayerWeightStreamer(modules, params, torch.device("cpu"), copy_on_host=True)
+        runtime = _offload_runtime(toy, all="cpu") if case == "with offload.all" else None
+        streamer = LayerWeightStreamer(modules, frozen_layer_parameters(modules), torch.device("cpu"), True)
         streamer.install()
         try:
-            if recompute:
+            if case == "with recompute":
                 _checkpointed(toy)
             streamer.start_step()
-            step = _train_step(toy, ids)
+            if runtime is not None:
+                step, moved = _offloaded_step(toy, ids, runtime, "all")
+            else:
+                step = _train_step(toy, ids)
             stats = dict(streamer.stats)
         finally:
             streamer.close()
-        what = "layer offloading" + (" with recompute" if recompute else "")
+        what = f"layer offloading ({case})"
         _same_as(reference, step, what)
         if stats["loads"] < 2 * _LAYERS or not 1 <= stats["max_resident_layers"] <= 2:
             raise _Broken(
                 f"{what} loaded {stats['loads']} layers in a step of {_LAYERS} layers (at least one load each in "
                 f"the forward and the backward) with {stats['max_resident_layers']} on the device at once (1 or 2)"
+            )
+        if runtime is not None and moved != moved_alone:
+            raise _Broken(
+                f"under layer offloading, offload.all moved {moved} tensors instead of {moved_alone}: the layers' "
+                "saves no longer reach the saved-tensor hooks in force (_top_saved_tensors_default_hooks)"
             )
 
 
@@ -410,7 +431,7 @@ def features_of(enabled: bool, selective: bool, offload_targets: Sequence[str], 
 
 
 def _releases(packages: Iterable[str], installed: Optional[Dict[str, Optional[str]]]) -> Dict[str, str]:
-    found = {p: (installed.get(p) if installed is not None else installed_release(p)) for p in packages}
+    found = {p: (installed.get(p) if installed is not None else _compat.installed_release(p)) for p in packages}
     return {p: r for p, r in found.items() if r is not None}
 
 
@@ -431,7 +452,7 @@ def ensure(features: Iterable[str], installed: Optional[Dict[str, Optional[str]]
             continue
         _passed[feature] = seconds = run_check(feature, newer)
         on = ", ".join(f"{p} {r}" for p, r in newer.items())
-        rank_zero_info(f"self-check of {feature} on {on} (newer than the tested releases): passed, {seconds * 1e3:.0f} ms")
+        rank_zero_info(f"self-check of {feature} on {on} (newer than the tested releases): passed in {seconds:.2f} s")
 
 
 @contextlib.contextmanager
@@ -504,7 +525,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     versions = ", ".join(f"{p} {r}" for p, r in _releases(TESTED, None).items())
     print(f"{len(FEATURES) - failed}/{len(FEATURES)} features work with {versions}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

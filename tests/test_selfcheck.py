@@ -1,0 +1,341 @@
+"""The self-checks that guard each feature on releases newer than the tested ones: they pass on this release, they
+fail with IncompatibleReleaseError when the private behaviour they guard is broken on purpose, and they run before
+the first training step only where a release is untested, without changing the run."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from conftest import LM, assert_same_training, clone, fit, model_fingerprint, tiny_model
+
+from lightning_ac import (
+    ActivationCheckpointing,
+    ActivationOffload,
+    IncompatibleReleaseError,
+    LayerOffload,
+    _compat,
+    selfcheck,
+)
+from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SAC_STORAGE_INDEXED, TESTED
+
+UNTESTED_TORCH = "2.99.0"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process():
+    """Each test starts as a new process would: no feature checked yet."""
+    selfcheck._passed.clear()
+    yield
+    selfcheck._passed.clear()
+
+
+def _pretend(monkeypatch, **releases):
+    """Report ``releases`` as installed (package -> version), the rest as they are."""
+    real = _compat.installed_release
+    monkeypatch.setattr(_compat, "installed_release", lambda package: releases.get(package) or real(package))
+
+
+def _at_tested_releases(monkeypatch):
+    _pretend(monkeypatch, **{package: newest for package, (_, newest) in TESTED.items()})
+
+
+@pytest.mark.parametrize("feature", selfcheck.FEATURES)
+def test_every_feature_passes_its_self_check_on_this_release(feature):
+    assert selfcheck.run_check(feature) >= 0
+
+
+def test_the_checks_leave_the_callers_state_as_it_was():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for feature in selfcheck.FEATURES:
+            selfcheck.run_check(feature)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(dtype)
+    assert torch.equal(torch.rand(3), expected), "a self-check moved the caller's random state"
+
+
+# -- broken on purpose: each private behaviour a check guards, changed as a release could change it ----------------
+
+
+def _checkpoint_keeps_nothing(monkeypatch):
+    """torch's non-reentrant checkpoint no longer keeps its region's saves in its frame (they reach outer hooks,
+    and nothing is recomputed)."""
+    monkeypatch.setattr(torch_checkpoint, "_checkpoint_hook", lambda frame: contextlib.nullcontext())
+
+
+def _layers_skip_the_checkpoint_function(monkeypatch):
+    """transformers' layers no longer call the ``_gradient_checkpointing_func`` the engine installs."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
+
+
+def _sac_ignores_the_policy(monkeypatch):
+    """SAC's caching mode recomputes what the policy says to save."""
+    init = torch_checkpoint._CachingTorchDispatchMode.__init__
+
+    def recompute_everything(self, policy_fn, storage, *args, **kwargs):
+        def policy(ctx, func, *a, **k):
+            policy_fn(ctx, func, *a, **k)
+            return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+        init(self, policy, storage, *args, **kwargs)
+
+    monkeypatch.setattr(torch_checkpoint._CachingTorchDispatchMode, "__init__", recompute_everything)
+
+
+def _sac_keeps_its_own_storage(monkeypatch):
+    """SAC's caching mode stores its saves somewhere else than in the storage it is given."""
+    init = torch_checkpoint._CachingTorchDispatchMode.__init__
+
+    def own_storage(self, policy_fn, storage, *args, **kwargs):
+        init(self, policy_fn, collections.defaultdict(dict if SAC_STORAGE_INDEXED else list), *args, **kwargs)
+
+    monkeypatch.setattr(torch_checkpoint._CachingTorchDispatchMode, "__init__", own_storage)
+
+
+def _sac_storage_changes_layout(monkeypatch):
+    """SAC's storage per op changes layout (indexed slots <-> a queue) where our probe does not see it."""
+    import lightning_ac.offload.activations as activations
+
+    monkeypatch.setattr(activations, "SAC_STORAGE_INDEXED", not SAC_STORAGE_INDEXED)
+
+
+def _sac_saves_reach_the_hooks(monkeypatch):
+    """torch routes SAC's saves through the saved-tensor hooks in force (respect_saved_tensors_hooks=True, which a
+    later release makes the default)."""
+    import lightning_ac.selective.policy as policy
+
+    monkeypatch.setattr(
+        policy, "sac_saves_bypass_saved_tensor_hooks", lambda mode: setattr(mode, "respect_saved_tensors_hooks", True)
+    )
+
+
+def _graph_task_id_unknown(monkeypatch):
+    """``torch._C._current_graph_task_id`` no longer tells the forward from the backward."""
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _outer_hooks_hidden(monkeypatch):
+    """``torch._C._autograd._top_saved_tensors_default_hooks`` no longer returns the hooks in force."""
+    monkeypatch.setattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda *args: None)
+
+
+def _callback_hook_removed(monkeypatch):
+    from lightning.pytorch import Callback
+
+    monkeypatch.delattr(Callback, "on_before_backward")
+
+
+def _callback_hook_reshaped(monkeypatch):
+    from lightning.pytorch import Callback
+
+    monkeypatch.setattr(Callback, "on_train_batch_start", lambda self, trainer, pl_module, batch: None)
+
+
+needs_respect_hooks = pytest.mark.skipif(
+    not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch always keeps SAC's saves out of saved-tensor hooks"
+)
+
+BROKEN = [
+    ("activation_checkpointing", _checkpoint_keeps_nothing, r"the layers were not recomputed"),
+    ("activation_checkpointing", _layers_skip_the_checkpoint_function, r"called the checkpoint function .* 0 times"),
+    ("selective", _checkpoint_keeps_nothing, r"recomputed nothing"),
+    ("selective", _sac_ignores_the_policy, r"attention ran 4 times .* did not keep what the policy saved"),
+    ("selective", _sac_keeps_its_own_storage, r"RuntimeError: .*not found in storage"),
+    ("offload.selective", _sac_ignores_the_policy, r"did not keep what the policy saved"),
+    ("offload.selective", _sac_keeps_its_own_storage, r"not found in storage"),
+    ("offload.selective", _sac_storage_changes_layout, r"Error: "),
+    ("offload.hidden_states", _checkpoint_keeps_nothing, r"saw \d+ tensors, where they see one per layer"),
+    pytest.param(
+        "offload.hidden_states", _sac_saves_reach_the_hooks, r"saw 6 tensors", marks=needs_respect_hooks, id="respect"
+    ),
+    ("offload.all", _checkpoint_keeps_nothing, r"no fewer than without it"),
+    pytest.param(
+        "offload.all", _sac_saves_reach_the_hooks, r"SAC's saves now reach", marks=needs_respect_hooks, id="respect-all"
+    ),
+    ("layer_offloading", _graph_task_id_unknown, r"inside a backward"),
+    ("layer_offloading", _outer_hooks_hidden, r"offload.all moved \d+ tensors instead of \d+"),
+    ("callbacks", _callback_hook_removed, r"Callback has no on_before_backward hook"),
+    (
+        "callbacks",
+        _callback_hook_reshaped,
+        r"Callback.on_train_batch_start now takes \(self, trainer, pl_module, batch\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("feature, breakage, found", BROKEN)
+def test_a_broken_private_behaviour_fails_the_check_naming_feature_release_and_fix(
+    feature, breakage, found, monkeypatch
+):
+    breakage(monkeypatch)
+    with pytest.raises(IncompatibleReleaseError, match=found) as raised:
+        selfcheck.run_check(feature)
+    message = str(raised.value)
+    package = "lightning" if feature == "callbacks" else "torch"
+    assert f"{feature} does not work with" in message
+    assert f"{package} {_compat.installed_release(package)}" in message, "names the release"
+    assert f"pip install '{package}<={TESTED[package][1]}'" in message, "says which release to pin"
+    if feature != "callbacks":
+        assert "turn " + feature + " off (" in message, "says how to turn the feature off"
+
+
+def test_the_error_says_the_release_is_newer_than_the_tested_ones(monkeypatch):
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    _checkpoint_keeps_nothing(monkeypatch)
+    with pytest.raises(IncompatibleReleaseError) as raised:
+        selfcheck.ensure(["offload.hidden_states"])
+    low, high = TESTED["torch"]
+    assert (
+        f"offload.hidden_states does not work with torch {UNTESTED_TORCH} (newer than the releases lightning_ac was "
+        f"tested with: torch {low} to {high})" in str(raised.value)
+    )
+    assert "turn offload.hidden_states off (activation_checkpointing.offload.hidden_states: none)" in str(raised.value)
+
+
+# -- when the checks run -------------------------------------------------------------------------------------------
+
+
+def _record_runs(monkeypatch):
+    runs = []
+    real = selfcheck.run_check
+    monkeypatch.setattr(selfcheck, "run_check", lambda feature, releases=None: runs.append(feature) or real(feature))
+    return runs
+
+
+def test_a_tested_release_skips_every_check(monkeypatch):
+    _at_tested_releases(monkeypatch)
+    runs = _record_runs(monkeypatch)
+    selfcheck.ensure(selfcheck.FEATURES)
+    assert runs == []
+
+
+def test_an_untested_release_checks_the_features_that_rely_on_it_once_per_process(monkeypatch, caplog):
+    _at_tested_releases(monkeypatch)
+    _pretend(monkeypatch, torch=UNTESTED_TORCH, **{p: TESTED[p][1] for p in TESTED if p != "torch"})
+    runs = _record_runs(monkeypatch)
+    selfcheck.ensure(["callbacks", "activation_checkpointing", "offload.all"])
+    selfcheck.ensure(["activation_checkpointing", "offload.all", "selective"])
+    assert runs == ["activation_checkpointing", "offload.all", "selective"], "callbacks rely on Lightning only"
+    assert (
+        f"self-check of offload.all on torch {UNTESTED_TORCH} (newer than the tested releases): passed" in caplog.text
+    )
+
+
+def test_an_untested_lightning_checks_the_callbacks(monkeypatch):
+    _at_tested_releases(monkeypatch)
+    _pretend(monkeypatch, lightning="2.7.0", **{p: TESTED[p][1] for p in TESTED if p != "lightning"})
+    runs = _record_runs(monkeypatch)
+    selfcheck.ensure(["callbacks", "activation_checkpointing", "offload.all"])
+    assert runs == ["callbacks"]
+
+
+def test_features_of_a_plan():
+    assert selfcheck.features_of(False, False, [], False) == ["callbacks"]
+    assert selfcheck.features_of(True, True, ["hidden_states", "selective"], True) == [
+        "callbacks",
+        "activation_checkpointing",
+        "selective",
+        "offload.hidden_states",
+        "offload.selective",
+        "layer_offloading",
+    ]
+    assert set(selfcheck.features_of(True, True, ["hidden_states", "selective", "all"], True)) == set(
+        selfcheck.FEATURES
+    )
+
+
+def _suite(selective=True):
+    return [ActivationCheckpointing(selective=selective), ActivationOffload(selective="cpu", copy_on_host=True)]
+
+
+def test_a_broken_feature_on_an_untested_release_fails_before_the_first_step(monkeypatch):
+    steps = []
+
+    class Counting(LM):
+        def training_step(self, batch, batch_idx):
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    _sac_ignores_the_policy(monkeypatch)
+    model = tiny_model("llama")
+    before = model_fingerprint(model)
+    with pytest.raises(IncompatibleReleaseError, match=rf"selective does not work with torch {UNTESTED_TORCH}"):
+        fit(model, _suite(), module_cls=Counting)
+    assert steps == []
+    assert model_fingerprint(model) == before, "nothing of ours stays on the model"
+
+
+def test_layer_offloading_checks_itself_too(monkeypatch):
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    _outer_hooks_hidden(monkeypatch)
+    model = tiny_model("llama", lora=True)
+    with pytest.raises(IncompatibleReleaseError, match="layer_offloading does not work"):
+        fit(model, [LayerOffload(copy_on_host=True)])
+
+
+def test_a_passing_self_check_leaves_the_run_as_on_a_tested_release(monkeypatch, caplog):
+    """The checks run inside the user's setup: the training that follows is bit for bit the one without them."""
+    base = tiny_model("llama")
+    _at_tested_releases(monkeypatch)
+    tested = fit(clone(base), _suite(), max_steps=2)
+    assert "self-check" not in caplog.text
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    untested = fit(clone(base), _suite(), max_steps=2)
+    assert "self-check of selective on torch 2.99.0" in caplog.text
+    assert_same_training(tested, untested)
+    for (name, a), b in zip(tested.named_parameters(), untested.parameters()):
+        assert torch.equal(a, b), name
+
+
+# -- at import -----------------------------------------------------------------------------------------------------
+
+_IMPORT_AS_IF = """
+import importlib.metadata, warnings
+real = importlib.metadata.version
+importlib.metadata.version = lambda p: {version!r} if p == {package!r} else real(p)
+warnings.simplefilter("default")
+import lightning_ac
+import lightning_ac.callbacks
+"""
+
+
+def _import_as_if(package, version, **env):
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", _IMPORT_AS_IF.format(package=package, version=version)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+
+
+def test_importing_next_to_a_newer_torch_warns_once_on_rank_zero():
+    newer = _import_as_if("torch", "2.99.0+cu130")
+    assert newer.returncode == 0, newer.stderr
+    warning = "LightningACWarning: lightning_ac: torch 2.99.0+cu130 is newer than the releases lightning_ac was tested"
+    assert newer.stderr.count(warning) == 1, newer.stderr
+    assert "<string>:6: LightningACWarning" in newer.stderr, "points at the user's import"
+    other_rank = _import_as_if("torch", "2.99.0+cu130", RANK="1", LOCAL_RANK="1")
+    assert other_rank.returncode == 0 and "LightningACWarning" not in other_rank.stderr, other_rank.stderr
+
+
+def test_importing_next_to_an_older_torch_fails_naming_the_floor():
+    older = _import_as_if("torch", "2.8.0")
+    assert older.returncode != 0
+    assert f"lightning_ac needs torch>={TESTED['torch'][0]}, but torch 2.8.0 is installed" in older.stderr
