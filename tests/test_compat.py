@@ -66,10 +66,8 @@ def test_a_release_newer_than_the_tested_ones_warns_naming_it_and_the_range(pack
         assert check_versions(_at(1, **{package: release})) == {package: release}
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert (
-        f"{package} {release} is newer than the releases lightning_ac was tested with ({package} {low} to {high})"
-        in (message)
-    )
+    named = f"{package} {release} is newer than the releases lightning_ac was tested with ({package} {low} to {high})"
+    assert named in message
     assert "IncompatibleReleaseError" in message and f"pip install '{package}<={high}'" in message
 
 
