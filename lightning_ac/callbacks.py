@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+import lightning_ac.selfcheck as selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.config import (
     OFFLOAD_TARGETS,
@@ -558,3 +559,29 @@ def callbacks_from_config(
             )
         )
     return callbacks
+
+
+def _check_lightning_hooks() -> None:
+    """The Lightning hooks the suite callbacks implement exist on ``Callback`` and take the same arguments (a hook that
+    a release renamed or reshaped would never be called, silently), and the LightningModule methods the plan applies
+    around exist."""
+    import inspect
+
+    for cls in (SuiteCallback, ActivationCheckpointing, ActivationOffload, LayerOffload):
+        for name, ours in vars(cls).items():
+            if not (name.startswith("on_") or name in ("setup", "teardown", "state_dict", "load_state_dict")):
+                continue
+            theirs = getattr(Callback, name, None)
+            if theirs is None:
+                raise selfcheck.SelfCheckFailed(
+                    f"lightning's Callback has no {name} hook, which {cls.__name__}.{name} implements"
+                )
+            expected = list(inspect.signature(theirs).parameters)
+            if list(inspect.signature(ours).parameters) != expected:
+                raise selfcheck.SelfCheckFailed(f"lightning's Callback.{name} now takes ({', '.join(expected)})")
+    for name in ("configure_model", "training_step"):
+        if not callable(getattr(pl.LightningModule, name, None)):
+            raise selfcheck.SelfCheckFailed(f"LightningModule has no {name}, which the plan applies around")
+
+
+selfcheck.register("callbacks", ("lightning",), None, _check_lightning_hooks)

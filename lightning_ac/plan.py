@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ac import selfcheck
+import lightning_ac.selfcheck as selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,11 +29,19 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ac import _compat
+import lightning_ac._compat as _compat
 from lightning_ac._compat import TESTED, tested_range, untested_release
 from lightning_ac._logging import rank_zero_info
 
-__all__ = ["FEATURES", "IncompatibleReleaseError", "ensure", "features_of", "run_check"]
+__all__ = [
+    "FEATURES",
+    "IncompatibleReleaseError",
+    "SelfCheckFailed",
+    "ensure",
+    "features_of",
+    "register",
+    "run_check",
+]
 
 
 class IncompatibleReleaseError(RuntimeError):
@@ -42,7 +49,7 @@ class IncompatibleReleaseError(RuntimeError):
     with: the feature would not do what it says there."""
 
 
-class _Broken(Exception):
+class SelfCheckFailed(Exception):
     """What a check found wrong, in one sentence."""
 
 
@@ -54,7 +61,7 @@ class _Check:
         packages: The packages whose private behaviour the feature relies on: the check runs when any of them is
             newer than its newest tested release.
         turn_off: How to turn the feature off, in the block's words (``None``: it cannot be, every run uses it).
-        run: Raises :class:`_Broken` (or anything else) when the feature does not work on this release.
+        run: Raises :class:`SelfCheckFailed` (or anything else) when the feature does not work on this release.
     """
 
     packages: Tuple[str, ...]
@@ -126,9 +133,9 @@ def _train_step(model: nn.Module, ids: torch.Tensor) -> _Step:
 def _recomputed_but_attention(reference: _Step, step: _Step, what: str) -> None:
     """Under selective checkpointing saving attention: the layers were recomputed, their attention was not."""
     if step.matmuls <= reference.matmuls:
-        raise _Broken(f"{what} recomputed nothing ({step.matmuls} matmuls ran in the step, as many without it)")
+        raise SelfCheckFailed(f"{what} recomputed nothing ({step.matmuls} matmuls ran in the step, as many without it)")
     if step.attention != reference.attention:
-        raise _Broken(
+        raise SelfCheckFailed(
             f"attention ran {step.attention} times in a step where {what} saves it ({reference.attention} without "
             "checkpointing): SAC's caching modes did not keep what the policy saved"
         )
@@ -142,14 +149,14 @@ def _bitwise(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _same_as(reference: _Step, step: _Step, what: str) -> None:
     """``step`` trained exactly as ``reference``: the same loss and the same gradients, bit for bit."""
     if not _bitwise(reference.loss, step.loss):
-        raise _Broken(f"{what} changed the loss ({step.loss.item()!r} instead of {reference.loss.item()!r})")
+        raise SelfCheckFailed(f"{what} changed the loss ({step.loss.item()!r} instead of {reference.loss.item()!r})")
     if step.grads.keys() != reference.grads.keys():
         missing = sorted(reference.grads.keys() - step.grads.keys()) or sorted(step.grads.keys() - reference.grads)
-        raise _Broken(f"{what} changed which parameters get a gradient ({missing[0]} and {len(missing) - 1} more)")
+        raise SelfCheckFailed(f"{what} changed which parameters get a gradient ({missing[0]}, {len(missing)} in all)")
     for name, grad in reference.grads.items():
         if not _bitwise(grad, step.grads[name]):
             diff = (grad - step.grads[name]).abs().max().item()
-            raise _Broken(f"{what} changed the gradient of {name} (by up to {diff:.3g})")
+            raise SelfCheckFailed(f"{what} changed the gradient of {name} (by up to {diff:.3g})")
 
 
 class _CountingCheckpoint:
@@ -170,7 +177,7 @@ def _layers(model: nn.Module) -> Any:
 
     layers = find_decoder_layers(model)
     if len(layers) != _LAYERS:
-        raise _Broken(f"found {len(layers)} decoder layers in a {_LAYERS}-layer LlamaForCausalLM")
+        raise SelfCheckFailed(f"found {len(layers)} decoder layers in a {_LAYERS}-layer LlamaForCausalLM")
     return layers
 
 
@@ -201,7 +208,7 @@ def _checkpointed(
     else:
         recomputed = wrap_layers(layers.modules, config, context_fn, checkpoint_fn)
     if not all(recomputed):
-        raise _Broken(f"the {engine} engine checkpointed {sum(recomputed)} of {_LAYERS} decoder layers")
+        raise SelfCheckFailed(f"the {engine} engine checkpointed {sum(recomputed)} of {_LAYERS} decoder layers")
     return policy, counting
 
 
@@ -228,28 +235,6 @@ def _offloaded_step(model: nn.Module, ids: torch.Tensor, runtime: Any, target: s
 # -- the checks ----------------------------------------------------------------------------------------------------
 
 
-def _check_callbacks() -> None:
-    """The Lightning hooks the suite callbacks implement exist on ``Callback`` and take the same arguments: a hook
-    renamed or reshaped by a release would never be called, silently."""
-    from lightning.pytorch import Callback, LightningModule
-
-    from lightning_ac.callbacks import ActivationCheckpointing, ActivationOffload, LayerOffload, SuiteCallback
-
-    for cls in (SuiteCallback, ActivationCheckpointing, ActivationOffload, LayerOffload):
-        for name, ours in vars(cls).items():
-            if not (name.startswith("on_") or name in ("setup", "teardown", "state_dict", "load_state_dict")):
-                continue
-            theirs = getattr(Callback, name, None)
-            if theirs is None:
-                raise _Broken(f"lightning's Callback has no {name} hook, which {cls.__name__}.{name} implements")
-            expected = list(inspect.signature(theirs).parameters)
-            if list(inspect.signature(ours).parameters) != expected:
-                raise _Broken(f"lightning's Callback.{name} now takes ({', '.join(expected)})")
-    for name in ("configure_model", "training_step"):
-        if not callable(getattr(LightningModule, name, None)):
-            raise _Broken(f"LightningModule has no {name}, which the plan applies around")
-
-
 def _check_activation_checkpointing() -> None:
     """Both recompute engines: transformers' layers call the checkpoint function the ``hf`` engine installs, torch's
     checkpoint around each layer's forward (plain torch layers, ``implementation: fsdp``) recomputes each layer once
@@ -262,13 +247,13 @@ def _check_activation_checkpointing() -> None:
         step = _train_step(checkpointed, ids)
         _same_as(reference, step, f"checkpointing ({engine} engine)")
         if counting.calls != _LAYERS:
-            raise _Broken(
+            raise SelfCheckFailed(
                 f"the {engine} engine's layers called the checkpoint function lightning_ac installs {counting.calls} "
                 f"times in a forward of {_LAYERS} layers (transformers' layers no longer call "
                 "_gradient_checkpointing_func?)"
             )
         if step.attention != 2 * reference.attention:
-            raise _Broken(
+            raise SelfCheckFailed(
                 f"with the {engine} engine, attention ran {step.attention} times in a step, where recomputing "
                 f"{_LAYERS} layers runs it {2 * reference.attention} times: the layers were not recomputed"
             )
@@ -284,7 +269,7 @@ def _check_selective() -> None:
     _same_as(reference, step, "selective checkpointing")
     _recomputed_but_attention(reference, step, "selective checkpointing")
     if policy.problems():
-        raise _Broken(policy.problems()[0])
+        raise SelfCheckFailed(policy.problems()[0])
 
 
 def _check_offload_selective() -> None:
@@ -298,7 +283,7 @@ def _check_offload_selective() -> None:
     _same_as(reference, step, "offload.selective")
     _recomputed_but_attention(reference, step, "offload.selective")
     if moved < _LAYERS:
-        raise _Broken(
+        raise SelfCheckFailed(
             f"{moved} tensors went to host memory, where selective checkpointing saves at least one attention output "
             f"in each of {_LAYERS} layers: SAC's modes no longer keep their saves in the storage they are given"
         )
@@ -314,7 +299,7 @@ def _check_offload_hidden_states() -> None:
     step, moved = _offloaded_step(model, ids, runtime, "hidden_states")
     _same_as(reference, step, "offload.hidden_states")
     if moved != _LAYERS:
-        raise _Broken(
+        raise SelfCheckFailed(
             f"the saved-tensor hooks around the checkpoint calls of {_LAYERS} layers saw {moved} tensors, where "
             "they see one per layer (its input): the checkpoint's own saves or SAC's (respect_saved_tensors_hooks) "
             "now reach them"
@@ -335,14 +320,14 @@ def _check_offload_all() -> None:
         step, moved[case] = _offloaded_step(toy, ids, runtime, "all")
         _same_as(reference, step, f"offload.all ({case})")
     if moved["no recompute"] == 0:
-        raise _Broken("offload.all moved no tensor to host memory: its saved-tensor hooks were never called")
+        raise SelfCheckFailed("offload.all moved no tensor to host memory: its saved-tensor hooks were never called")
     if moved["recompute"] >= moved["no recompute"]:
-        raise _Broken(
+        raise SelfCheckFailed(
             f"with recompute, offload.all moved {moved['recompute']} tensors, no fewer than without it "
             f"({moved['no recompute']}): the checkpointed layers' own saves reach the saved-tensor hooks"
         )
     if moved["selective"] != moved["recompute"]:
-        raise _Broken(
+        raise SelfCheckFailed(
             f"selective checkpointing changed what offload.all moves ({moved['selective']} tensors instead of "
             f"{moved['recompute']}): SAC's saves now reach the saved-tensor hooks (respect_saved_tensors_hooks)"
         )
@@ -380,19 +365,20 @@ def _check_layer_offloading() -> None:
         what = f"layer offloading ({case})"
         _same_as(reference, step, what)
         if stats["loads"] < 2 * _LAYERS or not 1 <= stats["max_resident_layers"] <= 2:
-            raise _Broken(
+            raise SelfCheckFailed(
                 f"{what} loaded {stats['loads']} layers in a step of {_LAYERS} layers (at least one load each in "
                 f"the forward and the backward) with {stats['max_resident_layers']} on the device at once (1 or 2)"
             )
         if runtime is not None and moved != moved_alone:
-            raise _Broken(
+            raise SelfCheckFailed(
                 f"under layer offloading, offload.all moved {moved} tensors instead of {moved_alone}: the layers' "
                 "saves no longer reach the saved-tensor hooks in force (_top_saved_tensors_default_hooks)"
             )
 
 
+# "callbacks" (the Lightning hooks the suite callbacks implement) is registered by lightning_ac.callbacks, which knows
+# them: register()
 _CHECKS: Dict[str, _Check] = {
-    "callbacks": _Check(("lightning",), None, _check_callbacks),
     "activation_checkpointing": _Check(
         ("torch", "transformers"), "activation_checkpointing: false", _check_activation_checkpointing
     ),
@@ -407,8 +393,24 @@ _CHECKS: Dict[str, _Check] = {
     "layer_offloading": _Check(("torch",), "layer_offloading: false", _check_layer_offloading),
 }
 
-FEATURES: Tuple[str, ...] = tuple(_CHECKS)
+FEATURES: Tuple[str, ...] = ("callbacks", *_CHECKS)
 """The features that check themselves, in the block's words."""
+
+
+def register(feature: str, packages: Tuple[str, ...], turn_off: Optional[str], run: Callable[[], None]) -> None:
+    """Add the self-check of ``feature``, which relies on private behaviour of ``packages``.
+
+    Args:
+        feature: A name from :data:`FEATURES`.
+        packages: The packages whose release decides whether the check runs.
+        turn_off: How to turn the feature off, in the block's words (``None``: every run uses it).
+        run: Raises when the feature does not work on the installed releases; raise :class:`SelfCheckFailed` with
+            one sentence of what was found.
+    """
+    if feature not in FEATURES:
+        raise ValueError(f"{feature!r} is not a self-checked feature ({', '.join(FEATURES)})")
+    _CHECKS[feature] = _Check(packages, turn_off, run)
+
 
 _passed: Dict[str, float] = {}  # feature -> seconds its check took, in this process
 
@@ -488,7 +490,7 @@ def run_check(feature: str, releases: Optional[Dict[str, str]] = None) -> float:
         with _isolated():
             check.run()
         return time.perf_counter() - start
-    except _Broken as broken:
+    except SelfCheckFailed as broken:
         found = str(broken)
     except Exception as error:  # noqa: BLE001 - a private API that moved or changed shape: the same verdict
         found = f"{type(error).__name__}: {error}"
@@ -506,8 +508,8 @@ def _failure(feature: str, check: _Check, releases: Dict[str, str], found: str) 
     return (
         f"lightning_ac: {feature} does not work with {on} ({status}: {tested}). Its self-check trained a two-layer toy "
         f"model one step with {feature} and without it, and {found}. {feature} relies on behaviour of "
-        f"{' and '.join(check.packages)} that is not part of their public API, so training with it would not do what "
-        f"it says. {fix}"
+        f"{' and '.join(check.packages)} that is not part of {'its' if len(check.packages) == 1 else 'their'} public "
+        f"API, so training with it would not do what it says. {fix}"
     )
 
 
