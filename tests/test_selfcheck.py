@@ -339,3 +339,14 @@ def test_importing_next_to_an_older_torch_fails_naming_the_floor():
     older = _import_as_if("torch", "2.8.0")
     assert older.returncode != 0
     assert f"lightning_ac needs torch>={TESTED['torch'][0]}, but torch 2.8.0 is installed" in older.stderr
+
+
+def test_the_users_block_is_still_parsed_once_on_an_untested_release(monkeypatch):
+    import lightning_ac.config
+
+    calls = []
+    original = lightning_ac.config._parse_block
+    monkeypatch.setattr(lightning_ac.config, "_parse_block", lambda value: calls.append(value) or original(value))
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    fit(clone(tiny_model("llama")), _suite())
+    assert len(calls) == 1 and selfcheck._passed.keys() >= {"selective", "offload.selective"}

@@ -190,10 +190,11 @@ def _checkpointed(
     """Checkpoint ``model``'s layers as the plan does (:meth:`lightning_ac.plan.Plan._install_recompute`): the
     recompute engine, a selective policy saving attention, the offload runtime's checkpoint function and storage."""
     from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
-    from lightning_ac.config import parse_config
+    from lightning_ac.config import ActivationCheckpointingConfig, SelectiveConfig
     from lightning_ac.selective.apply import build_policy
 
-    config = parse_config({"selective": {"save": ["attention"]}} if selective else True)
+    # the block's defaults, built directly: the user's block is the one parse_config reads (once)
+    config = ActivationCheckpointingConfig(selective=SelectiveConfig(save=["attention"]) if selective else None)
     layers = _layers(model)
     policy = None
     if config.selective is not None:
