@@ -350,3 +350,13 @@ def test_the_users_block_is_still_parsed_once_on_an_untested_release(monkeypatch
     _pretend(monkeypatch, torch=UNTESTED_TORCH)
     fit(clone(tiny_model("llama")), _suite())
     assert len(calls) == 1 and selfcheck._passed.keys() >= {"selective", "offload.selective"}
+
+
+def test_python_m_lightning_ac_selfcheck_says_what_works(capsys, monkeypatch):
+    assert selfcheck.main() == 0
+    out = capsys.readouterr().out
+    assert f"{len(selfcheck.FEATURES)}/{len(selfcheck.FEATURES)} features work with torch " in out
+    _sac_ignores_the_policy(monkeypatch)
+    assert selfcheck.main() == 1
+    out = capsys.readouterr().out
+    assert "FAIL selective: lightning_ac: selective does not work with torch" in out and "ok   offload.all" in out
