@@ -360,3 +360,14 @@ def test_python_m_lightning_ac_selfcheck_says_what_works(capsys, monkeypatch):
     assert selfcheck.main() == 1
     out = capsys.readouterr().out
     assert "FAIL selective: lightning_ac: selective does not work with torch" in out and "ok   offload.all" in out
+
+
+@pytest.mark.simulated
+def test_the_checks_copy_on_the_host_apart_from_a_simulated_device():
+    """The toy's copies are not the run's: a check inside a SimulatedDevice leaves its figures as they were."""
+    from lightning_ac.offload.simulated import SimulatedDevice
+
+    with SimulatedDevice() as sim:
+        for feature in ("offload.selective", "layer_offloading"):
+            selfcheck.run_check(feature)
+        assert sim.copies == 0 and not any(sim.peak_bytes.values())

@@ -26,6 +26,7 @@ __all__ = [
     "available_host_bytes",
     "check_host_budget",
     "is_asynchronous",
+    "host_copies",
     "synchronous_transfers",
     "transfers_are_synchronous",
 ]
@@ -215,6 +216,19 @@ class AcceleratorDevice(AsyncDevice):
 
 
 _simulated: Optional[AsyncDevice] = None  # set while a SimulatedDevice is active (tests)
+
+
+@contextlib.contextmanager
+def host_copies() -> Iterator[None]:
+    """Inside: a CPU device copies synchronously on the host, even while a
+    :class:`~lightning_ac.offload.simulated.SimulatedDevice` is active. The self-checks' toy model runs here: its copies
+    are not the run's, and must not show in the simulated device's figures."""
+    global _simulated
+    active, _simulated = _simulated, None
+    try:
+        yield
+    finally:
+        _simulated = active
 
 
 def async_device(device: torch.device) -> Optional[AsyncDevice]:

@@ -460,13 +460,17 @@ def ensure(features: Iterable[str], installed: Optional[Dict[str, Optional[str]]
 
 @contextlib.contextmanager
 def _isolated() -> Iterator[None]:
-    """The caller's random state, default device and dtype, grad mode and warnings filters, untouched."""
+    """The caller's random state, default device and dtype, grad mode and warnings filters, untouched; the toy's
+    copies synchronous host copies, apart from any (simulated) device the caller's engines use."""
+    from lightning_ac.offload.device import host_copies
+
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.enable_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # about the toy, not the user's run
-            yield
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.enable_grad(), host_copies():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # about the toy, not the user's run
+                yield
     finally:
         torch.set_default_dtype(dtype)
 
