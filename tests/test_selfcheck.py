@@ -152,9 +152,10 @@ BROKEN = [
     ("activation_checkpointing", _checkpoint_keeps_nothing, r"the layers were not recomputed"),
     ("activation_checkpointing", _layers_skip_the_checkpoint_function, r"called the checkpoint function .* 0 times"),
     ("selective", _checkpoint_keeps_nothing, r"recomputed nothing"),
-    ("selective", _sac_ignores_the_policy, r"attention ran 4 times .* did not keep what the policy saved"),
+    # torch < 2.13 asks the policy again in the recompute, and finds nothing stored where it says to save
+    ("selective", _sac_ignores_the_policy, r"attention ran 4 times .* did not keep what the policy saved|not found in"),
     ("selective", _sac_keeps_its_own_storage, r"RuntimeError: .*not found in storage"),
-    ("offload.selective", _sac_ignores_the_policy, r"did not keep what the policy saved"),
+    ("offload.selective", _sac_ignores_the_policy, r"did not keep what the policy saved|not found in storage"),
     ("offload.selective", _sac_keeps_its_own_storage, r"not found in storage"),
     ("offload.selective", _sac_storage_changes_layout, r"Error: "),
     ("offload.hidden_states", _checkpoint_keeps_nothing, r"saw \d+ tensors, where they see one per layer"),
@@ -359,7 +360,7 @@ def test_python_m_lightning_ac_selfcheck_says_what_works(capsys, monkeypatch):
     _sac_ignores_the_policy(monkeypatch)
     assert selfcheck.main() == 1
     out = capsys.readouterr().out
-    assert "FAIL selective: lightning_ac: selective does not work with torch" in out and "ok   offload.all" in out
+    assert "FAIL selective: lightning_ac: selective does not work with torch" in out and "ok   layer_offloading" in out
 
 
 @pytest.mark.simulated
