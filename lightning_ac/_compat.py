@@ -48,7 +48,7 @@ __all__ = [
 
 # package -> (lowest release tested, newest release tested): the ends of what the default test run passed with.
 TESTED: Dict[str, Tuple[str, str]] = {
-    "torch": ("2.9.1", "2.14.1"),
+    "torch": ("2.9.1", "2.15.0"),
     "transformers": ("5.23.0", "5.24.0"),
     "peft": ("0.18.0", "0.21.2"),
     "lightning": ("2.6.0", "2.6.6"),
@@ -71,7 +71,7 @@ def installed_release(package: str) -> Optional[str]:
 
 
 def tested_range(package: str) -> str:
-    """The tested releases of ``package``, as messages name them: ``torch 2.9.1 to 2.14.1``."""
+    """The tested releases of ``package``, as messages name them: ``torch 2.9.1 to 2.15.0``."""
     low, high = TESTED[package]
     return f"{package} {low} to {high}"
 

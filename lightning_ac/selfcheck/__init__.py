@@ -273,15 +273,22 @@ def _check_selective() -> None:
         raise SelfCheckFailed(policy.problems()[0])
 
 
+def _selective_offloading(target: str) -> Tuple[_Step, _Step, int]:
+    """The toy's step as it is, and under selective checkpointing with ``target`` offloaded (which must train the
+    same); and how many tensors ``target`` moved."""
+    model, ids = _toy()
+    reference = _train_step(copy.deepcopy(model), ids)
+    runtime = _offload_runtime(model, **{target: "cpu"})
+    _checkpointed(model, selective=True, runtime=runtime)
+    step, moved = _offloaded_step(model, ids, runtime, target)
+    _same_as(reference, step, f"offload.{target}")
+    return reference, step, moved
+
+
 def _check_offload_selective() -> None:
     """offload.selective's host-resident storage inside SAC's modes: what the policy saves is moved to the host in the
     forward and comes back for the recompute (SAC's storage layout is what the storage speaks)."""
-    model, ids = _toy()
-    reference = _train_step(copy.deepcopy(model), ids)
-    runtime = _offload_runtime(model, selective="cpu")
-    _checkpointed(model, selective=True, runtime=runtime)
-    step, moved = _offloaded_step(model, ids, runtime, "selective")
-    _same_as(reference, step, "offload.selective")
+    reference, step, moved = _selective_offloading("selective")
     _recomputed_but_attention(reference, step, "offload.selective")
     if moved < _LAYERS:
         raise SelfCheckFailed(
@@ -293,12 +300,7 @@ def _check_offload_selective() -> None:
 def _check_offload_hidden_states() -> None:
     """offload.hidden_states: the saved-tensor hooks around each checkpoint call see exactly the layer's input (the
     checkpoint's own saves stay in its frame, SAC's bypass the hooks), moved to the host and back."""
-    model, ids = _toy()
-    reference = _train_step(copy.deepcopy(model), ids)
-    runtime = _offload_runtime(model, hidden_states="cpu")
-    _checkpointed(model, selective=True, runtime=runtime)
-    step, moved = _offloaded_step(model, ids, runtime, "hidden_states")
-    _same_as(reference, step, "offload.hidden_states")
+    _, _, moved = _selective_offloading("hidden_states")
     if moved != _LAYERS:
         raise SelfCheckFailed(
             f"the saved-tensor hooks around the checkpoint calls of {_LAYERS} layers saw {moved} tensors, where "
