@@ -37,6 +37,7 @@ from packaging.version import Version
 __all__ = [
     "CHECKPOINT_TAKES_RESPECT_HOOKS",
     "SAC_STORAGE_INDEXED",
+    "SELF_CHECKED",
     "TESTED",
     "cached_dispatch_mode",
     "check_versions",
@@ -53,6 +54,10 @@ TESTED: Dict[str, Tuple[str, str]] = {
     "peft": ("0.18.0", "0.21.2"),
     "lightning": ("2.6.0", "2.6.6"),
 }
+
+# The packages whose behaviour outside their public API some feature relies on: those features check themselves on a
+# newer release (lightning_ac.selfcheck). Of peft only public API is used (its tuner layer classes).
+SELF_CHECKED = ("torch", "transformers", "lightning")
 
 CHECKPOINT_TAKES_RESPECT_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -121,11 +126,15 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> Dict
     for package, found in newer.items():
         from lightning_ac._logging import rank_zero_warn  # imports Lightning, whose release is checked above
 
+        guard = (
+            "Each feature that relies on its private behaviour checks itself on a toy model the first time it is "
+            "applied, and raises IncompatibleReleaseError before the first step if it is broken."
+            if package in SELF_CHECKED
+            else "lightning_ac uses only its public API; please report what fails."
+        )
         rank_zero_warn(
             f"{package} {found} is newer than the releases lightning_ac was tested with ({tested_range(package)}). "
-            "Each feature that relies on its private behaviour checks itself on a toy model the first time it is "
-            "applied, and raises IncompatibleReleaseError before the first step if it is broken. To silence this "
-            f"warning, install a tested release: pip install '{package}<={TESTED[package][1]}'.",
+            f"{guard} To silence this warning, install a tested one: pip install '{package}<={TESTED[package][1]}'.",
             # the user's import line: past Lightning's rank_zero_warn (3 frames), ours, this function, this module's
             # import and lightning_ac/__init__'s (warnings skips importlib's frames)
             stacklevel=8,

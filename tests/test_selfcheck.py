@@ -243,6 +243,11 @@ def test_an_untested_lightning_checks_the_callbacks(monkeypatch):
     assert runs == ["callbacks"]
 
 
+def test_the_packages_the_checks_rely_on_are_the_ones_the_import_warning_names():
+    assert {p for check in selfcheck._CHECKS.values() for p in check.packages} == set(_compat.SELF_CHECKED)
+    assert set(selfcheck._CHECKS) == set(selfcheck.FEATURES)
+
+
 def test_features_of_a_plan():
     assert selfcheck.features_of(False, False, [], False) == ["callbacks"]
     assert selfcheck.features_of(True, True, ["hidden_states", "selective"], True) == [
