@@ -29,9 +29,10 @@ def tests(session: nox.Session) -> None:
 # (GBs of nvidia packages), which run the CPU tests.
 OLDEST = ["torch==2.9.1", "transformers==5.23.0", "peft==0.18.0", "lightning==2.6.0"]
 NEWEST = ["torch>=2.9.1,<3", "transformers>=5.23,<6", "peft>=0.18.0", "lightning>=2.6.0,<3"]
-# A machine-wide pip constraint (this project's machines cap torch at the release that lies on their disk) would hold
-# the newest releases back: the newest session's installs read no pip configuration file.
-NO_PIP_CONFIG = {"PIP_CONFIG_FILE": os.devnull}
+# A pip constraint (this project's machines cap torch at the release that lies on their disk, in pip's configuration)
+# would hold the newest releases back: the newest session's installs take an empty constraints file instead, and keep
+# the rest of pip's configuration (indexes, mirrors).
+NO_CONSTRAINTS = {"PIP_CONSTRAINT": os.devnull}
 VERSIONS = (
     "import torch, transformers, peft, lightning; print('testing with torch', torch.__version__, 'transformers', "
     "transformers.__version__, 'peft', peft.__version__, 'lightning', lightning.__version__)"
@@ -51,8 +52,8 @@ def oldest(session: nox.Session) -> None:
 def newest(session: nox.Session) -> None:
     """The default test run with the newest releases the package index offers (downloads a CUDA build of torch: GBs).
     When it passes, those releases are the newest tested: update TESTED in lightning_ac/_compat.py and the README."""
-    session.install("--upgrade", *NEWEST, env=NO_PIP_CONFIG)
-    session.install("-e", ".[tests]", "--upgrade-strategy", "eager", *NEWEST, env=NO_PIP_CONFIG)
+    session.install("--upgrade", *NEWEST, env=NO_CONSTRAINTS)
+    session.install("-e", ".[tests]", "--upgrade-strategy", "eager", *NEWEST, env=NO_CONSTRAINTS)
     session.run("python", "-c", VERSIONS)
     session.run("python", "-m", "lightning_ac.selfcheck")
     session.run("pytest", "-m", "not slow and not gpu", *session.posargs)

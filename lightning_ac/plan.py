@@ -184,7 +184,11 @@ class Plan:
             raise self._no_layers_error(module)
 
     def _check_releases(self) -> None:
-        """On a release newer than the tested ones, the features this plan applies check themselves first."""
+        """On a release newer than the tested ones, the features this plan applies check themselves first (only the
+        callbacks' hooks outside fit: validate, test and predict run no backward, so nothing else acts)."""
+        if not self._fitting:
+            selfcheck.ensure(["callbacks"])
+            return
         cfg, request = self.config, self.activation_offload_request
         targets = request.offload.targets if request is not None and self._offload_here else []
         layer_offloading = self.layer_offload_request is not None

@@ -86,6 +86,13 @@ def test_pyproject_declares_the_tested_floors_and_caps_at_the_next_major_release
         assert package == "peft" or not specifier.contains(f"{major + 1}.0.0"), f"{package}: the next major is out"
 
 
+def test_the_readme_names_the_tested_ranges():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    named = {"torch": "torch", "transformers": "transformers", "peft": "peft", "lightning": "Lightning"}
+    for package, (low, high) in TESTED.items():
+        assert f"{named[package]} {low}–{high}" in readme, package
+
+
 @pytest.mark.skipif(not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch has no respect_saved_tensors_hooks")
 @pytest.mark.parametrize("respect", [False, True])
 def test_sac_saves_bypass_the_offload_hooks_because_we_say_so(respect, monkeypatch):

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
+import lightning_ac.selfcheck as selfcheck
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
 from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
@@ -87,6 +88,8 @@ def apply_selective_checkpointing(
 
     Raises:
         ConfigError: If a rule is invalid, no checkpointed layer is found, or checkpointing is reentrant.
+        IncompatibleReleaseError: If selective checkpointing fails its self-check on a newer torch or transformers
+            than the tested ones.
     """
     config = parse_config({"selective": {"save": list(save), **rules}}).selective
     assert config is not None
@@ -106,6 +109,7 @@ def apply_selective_checkpointing(
                 "Enable it with activation_checkpointing_kwargs={'use_reentrant': False}."
             )
         originals.append(layer.__dict__.get("_gradient_checkpointing_func"))
+    selfcheck.ensure(["selective"])  # on a newer torch or transformers than the tested ones, before it acts
     policy = build_policy(config, model, layers)
     policy.install()
     for layer in checkpointed:
