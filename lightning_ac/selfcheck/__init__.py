@@ -147,8 +147,9 @@ def _recomputed_but_attention(reference: _Step, step: _Step, what: str) -> None:
 
 
 def _bitwise(x: torch.Tensor, y: torch.Tensor) -> bool:
-    same_bytes = torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))  # NaN == NaN, -0 != 0
-    return x.shape == y.shape and x.dtype == y.dtype and same_bytes
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))  # NaN == NaN, -0 != 0
 
 
 def _same_as(reference: _Step, step: _Step, what: str) -> None:
