@@ -1,0 +1,156 @@
+"""The exact per-layer choice of the memory budget: measured figures in, keep / selective / recompute per decoder
+layer out. A pure function, with no model, engine or torch in it.
+
+The step's activation memory is estimated where its peak happens, not as a sum of averages. Layers run forward in
+order, each holding until its backward what its choice leaves it (everything it saves when kept; its input and what
+the save rules keep when selective; its input alone when recomputed). Backward runs in reverse, so when it reaches
+layer ``i``, layers ``0..i-1`` still hold their bytes, and layer ``i`` has its whole working set materialised: what
+it saves (a recomputed or selective layer recreates the rest next to its input). Before the layers, the output head
+runs its backward with every layer's bytes held. So, with ``held`` a layer's bytes under its choice and ``working``
+its bytes while its backward runs:
+
+- head: ``outside + sum(held) + head <= budget``
+- layer ``i``: ``outside + sum(held[:i]) + working[i] <= budget``
+
+and the choice minimises the summed recompute time. The prefix sums only grow, so a dynamic programme over the layers
+in order, whose state is the bytes held so far, finds the optimum exactly (a knapsack with one constraint per
+backward position). Byte counts are rounded up to ``budget / resolution`` for the state, which can only overestimate
+the peak: a choice it returns always fits by the figures it was given.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Choice", "LayerFigures", "LayerPlan", "choose", "estimate"]
+
+
+class Choice(str, enum.Enum):
+    """What a decoder layer does in backward."""
+
+    keep = "keep"  # not recomputed: holds everything it saves
+    selective = "selective"  # recomputed under the block's save rules
+    recompute = "recompute"  # recomputed whole: holds its input only
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """What one decoder layer measured (bytes, seconds).
+
+    Attributes:
+        saved_bytes: What its forward saves for backward (a recompute materialises exactly this).
+        input_bytes: What it holds when recomputed (its input; less when offload.hidden_states moves it).
+        recompute_seconds: The time its recompute adds to a step.
+        selective_bytes: What it holds under the save rules (its input and what they keep), if measured.
+        selective_seconds: The time a selective recompute adds, if measured.
+    """
+
+    saved_bytes: int
+    input_bytes: int
+    recompute_seconds: float
+    selective_bytes: Optional[int] = None
+    selective_seconds: Optional[float] = None
+
+    def options(self) -> Dict[Choice, Tuple[int, int, float]]:
+        """``choice -> (held bytes, working bytes, seconds)``. Selective is offered only where it was measured faster
+        than recomputing the whole layer: its policy runs Python for every op, which can cost more than it saves."""
+        working = self.input_bytes + self.saved_bytes
+        found = {
+            Choice.keep: (self.saved_bytes, self.saved_bytes, 0.0),
+            Choice.recompute: (self.input_bytes, working, self.recompute_seconds),
+        }
+        if (
+            self.selective_bytes is not None
+            and self.selective_seconds is not None
+            and self.selective_seconds < self.recompute_seconds
+        ):
+            found[Choice.selective] = (self.selective_bytes, working, self.selective_seconds)
+        return found
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The choice for every layer, and what the figures say it costs.
+
+    Attributes:
+        choices: Per layer, in forward order.
+        peak_bytes: The estimated activation peak of the step.
+        recompute_seconds: The estimated recompute time per step.
+        fits: Whether the estimate is under the budget (``False``: even recomputing every layer is over it, and every
+            layer is recomputed).
+    """
+
+    choices: Tuple[Choice, ...]
+    peak_bytes: int
+    recompute_seconds: float
+    fits: bool
+
+
+def estimate(
+    layers: Sequence[LayerFigures], choices: Sequence[Choice], outside_bytes: int = 0, head_bytes: int = 0
+) -> Tuple[int, float]:
+    """The step's activation peak and recompute time under ``choices``, by the model in the module docstring."""
+    held = outside_bytes
+    peak = 0
+    seconds = 0.0
+    for figures, choice in zip(layers, choices):
+        layer_held, working, layer_seconds = figures.options()[choice]
+        peak = max(peak, held + working)
+        held += layer_held
+        seconds += layer_seconds
+    return max(peak, held + head_bytes), seconds
+
+
+def choose(
+    layers: Sequence[LayerFigures],
+    budget_bytes: int,
+    outside_bytes: int = 0,
+    head_bytes: int = 0,
+    resolution: int = 4096,
+) -> LayerPlan:
+    """The per-layer choice with the least recompute time whose estimated peak is under ``budget_bytes``.
+
+    Args:
+        layers: Each decoder layer's figures, in forward order.
+        budget_bytes: The activation memory a step may use.
+        outside_bytes: What is saved outside the layers and held through their backward (the embeddings' output).
+        head_bytes: The output head's working set at its backward (logits and loss).
+        resolution: How many steps of bytes the programme's state has (its cost is ``layers x resolution x 3``).
+
+    Returns:
+        The optimum, or every layer recomputed with ``fits=False`` when nothing fits.
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    quantum = max(1, math.ceil(budget_bytes / resolution))
+
+    def units(nbytes: int) -> int:
+        return math.ceil(nbytes / quantum)  # rounded up: the estimate only grows
+
+    budget = budget_bytes // quantum
+    # state: units held so far -> (seconds, choices so far); only the cheapest way to reach each state matters
+    states: Dict[int, Tuple[float, Tuple[Choice, ...]]] = {units(outside_bytes): (0.0, ())}
+    for figures in layers:
+        following: Dict[int, Tuple[float, Tuple[Choice, ...]]] = {}
+        for held, (seconds, chosen) in states.items():
+            for choice, (layer_held, working, layer_seconds) in figures.options().items():
+                if held + units(working) > budget:
+                    continue
+                state, cost = held + units(layer_held), seconds + layer_seconds
+                if state not in following or cost < following[state][0]:
+                    following[state] = (cost, chosen + (choice,))
+        states = following
+    # the least time; at equal time, the least memory held
+    finishing: List[Tuple[float, int, Tuple[Choice, ...]]] = [
+        (seconds, held, chosen) for held, (seconds, chosen) in states.items() if held + units(head_bytes) <= budget
+    ]
+    if not finishing:
+        choices: Tuple[Choice, ...] = tuple(Choice.recompute for _ in layers)
+        peak, seconds = estimate(layers, choices, outside_bytes, head_bytes)
+        return LayerPlan(choices, peak, seconds, fits=False)
+    _, _, choices = min(finishing, key=lambda entry: (entry[0], entry[1]))
+    peak, seconds = estimate(layers, choices, outside_bytes, head_bytes)
+    return LayerPlan(choices, peak, seconds, fits=True)
