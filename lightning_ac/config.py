@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,7 @@ __all__ = [
     "parse_count",
     "parse_layers",
     "parse_placement",
+    "parse_size",
     "CHECKPOINT_KWARGS",
     "OFFLOAD_TARGETS",
 ]
@@ -238,6 +240,44 @@ def parse_count(value: Any, name: str, *, minimum: int = 0, fix: str = "") -> in
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _expected(name, f"an integer >= {minimum}", value, fix)
     return value
+
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_size(value: Any, name: str) -> int:
+    """A memory size: a positive int of bytes, or text with a unit (``"24GiB"``, ``"512MiB"``, ``"20GB"``,
+    ``"300 MB"``; binary and decimal units, any case). Booleans, zero, negatives and unknown units are errors; so is
+    ``auto``, which the memory budget's field resolves itself (issue 21) before it asks for a size.
+
+    Returns:
+        The size in bytes.
+    """
+    expected = "a size: a positive number of bytes or text with a unit (24GiB, 512MiB, 20GB, 300 MB)"
+    if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+        raise _expected(name, expected, value, "Give the activation memory one training step may use.")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        units = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)"
+        raise _expected(name, expected, value, f"Units: {units}.")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise _expected(name, expected, value, "Give the activation memory one training step may use.")
+    return size
 
 
 def parse_tolerance(value: Any, name: str) -> float:

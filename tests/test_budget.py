@@ -101,3 +101,31 @@ def test_a_coarse_resolution_only_overestimates():
 def test_a_budget_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         choose([LayerFigures(1, 1, 1.0)], 0)
+
+
+@pytest.mark.parametrize(
+    "value, size",
+    [
+        (1, 1),
+        (3 * 2**30, 3 * 2**30),
+        ("24GiB", 24 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("20GB", 20 * 10**9),
+        ("300 MB", 300 * 10**6),
+        ("1.5 gib", int(1.5 * 2**30)),
+        (" 64kb ", 64_000),
+        ("7B", 7),
+    ],
+)
+def test_a_size_is_bytes_or_text_with_a_unit(value, size):
+    from lightning_ac.config import parse_size
+
+    assert parse_size(value, "activation_checkpointing.budget") == size
+
+
+@pytest.mark.parametrize("value", [0, -1, True, False, "0GiB", "-3GiB", "12", "12 parsecs", "GiB", 1.5, None, "auto"])
+def test_anything_else_is_a_config_error_naming_field_value_and_fix(value):
+    from lightning_ac.config import ConfigError, parse_size
+
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.budget: expected a size: .*got .*\. \w"):
+        parse_size(value, "activation_checkpointing.budget")
