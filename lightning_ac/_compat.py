@@ -75,6 +75,10 @@ def installed_release(package: str) -> Optional[str]:
         return None
 
 
+def _release(package: str, installed: Optional[Dict[str, Optional[str]]]) -> Optional[str]:
+    return installed.get(package) if installed is not None else installed_release(package)
+
+
 def tested_range(package: str) -> str:
     """The tested releases of ``package``, as messages name them: ``torch 2.9.1 to 2.15.0``."""
     low, high = TESTED[package]
@@ -95,7 +99,7 @@ def untested_release(package: str, installed: Optional[Dict[str, Optional[str]]]
         package: A key of :data:`TESTED`.
         installed: ``package -> version`` to judge instead of what is installed (tests).
     """
-    found = installed.get(package) if installed is not None else installed_release(package)
+    found = _release(package, installed)
     return found if found is not None and _newer_than_tested(package, found) else None
 
 
@@ -113,7 +117,7 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> Dict
     """
     newer: Dict[str, str] = {}
     for package, (low, _) in TESTED.items():
-        found = installed.get(package) if installed is not None else installed_release(package)
+        found = _release(package, installed)
         if found is None:
             continue  # not installed: pip's dependency resolution reports it, not us
         if Version(Version(found).base_version) < Version(low):

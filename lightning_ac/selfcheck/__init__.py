@@ -270,13 +270,10 @@ def _check_selective(others: FrozenSet[str]) -> None:
     for target in ("hidden_states", "all"):
         if f"offload.{target}" not in others:
             continue
-        moved = {}
-        for selective in (False, True):
-            toy = copy.deepcopy(model)
-            runtime = _offload_runtime(toy, **{target: "cpu"})
-            _checkpointed(toy, selective=selective, runtime=runtime)
-            step, moved[selective] = _offloaded_step(toy, ids, runtime, target)
-            _same_as(reference, step, f"selective checkpointing with offload.{target}")
+        moved = {
+            selective: _recompute_offloading(target, selective, f"selective checkpointing with offload.{target}")[2]
+            for selective in (False, True)
+        }
         if moved[True] != moved[False]:
             raise SelfCheckFailed(
                 f"selective checkpointing changed what offload.{target} moves ({moved[True]} tensors instead of "
@@ -284,15 +281,16 @@ def _check_selective(others: FrozenSet[str]) -> None:
             )
 
 
-def _recompute_offloading(target: str, selective: bool) -> Tuple[_Step, _Step, int]:
+def _recompute_offloading(target: str, selective: bool, what: str = "") -> Tuple[_Step, _Step, int]:
     """The toy's step as it is, and recomputed (``selective``: under selective checkpointing) with ``target``
-    offloaded, which must train the same; and how many tensors ``target`` moved."""
+    offloaded, which must train the same (``what`` names the run in the error); and how many tensors ``target``
+    moved."""
     model, ids = _toy()
     reference = _train_step(copy.deepcopy(model), ids)
     runtime = _offload_runtime(model, **{target: "cpu"})
     _checkpointed(model, selective=selective, runtime=runtime)
     step, moved = _offloaded_step(model, ids, runtime, target)
-    _same_as(reference, step, f"offload.{target}")
+    _same_as(reference, step, what or f"offload.{target}")
     return reference, step, moved
 
 
@@ -460,8 +458,9 @@ def features_of(enabled: bool, selective: bool, offload_targets: Sequence[str], 
     return found
 
 
-def _releases(packages: Iterable[str], installed: Optional[Dict[str, Optional[str]]]) -> Dict[str, str]:
-    found = {p: (installed.get(p) if installed is not None else _compat.installed_release(p)) for p in packages}
+def _releases(packages: Iterable[str]) -> Dict[str, str]:
+    """``package -> installed release`` of those of ``packages`` that are installed."""
+    found = {p: _compat.installed_release(p) for p in packages}
     return {p: r for p, r in found.items() if r is not None}
 
 
@@ -519,7 +518,7 @@ def run_check(feature: str, releases: Optional[Dict[str, str]] = None, others: O
         IncompatibleReleaseError: If the feature does not work on the installed releases.
     """
     check = _CHECKS[feature]
-    releases = releases or _releases(check.packages, None)
+    releases = releases or _releases(check.packages)
     others = frozenset(others if others is not None else FEATURES) - {feature}
     start = time.perf_counter()
     try:
@@ -565,6 +564,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"FAIL {feature}: {error}")
         else:
             print(f"ok   {feature} ({seconds * 1e3:.0f} ms)")
-    versions = ", ".join(f"{p} {r}" for p, r in _releases(TESTED, None).items())
+    versions = ", ".join(f"{p} {r}" for p, r in _releases(TESTED).items())
     print(f"{len(FEATURES) - failed}/{len(FEATURES)} features work with {versions}")
     return 1 if failed else 0
