@@ -125,6 +125,11 @@ class SuiteCallback(Callback):
     ) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
             self._plan.verifier.step_done(trainer)
+        budget = self._plan.budget if self._is_first() and self._plan is not None else None
+        if budget is not None and budget.in_step:
+            budget.end_step()
+            for name, value in budget.metrics().items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         if self._is_first() and pl_module.device.type == "cuda":
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
             pl_module.log(
@@ -161,6 +166,11 @@ class ActivationCheckpointing(SuiteCallback):
             ``save_modules``, ``save_matmul_min_k``, ``save_sliding_window``, ``recompute_layer_types``.
         layers: For models that are not transformers models: the decoder layers, as layer classes or globs
             over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers.
+        budget: The memory budget: the activation memory one training step may use, as bytes or text with a unit
+            (``"24GiB"``, ``"512MiB"``, ``"20GB"``), or ``"auto"`` (CUDA: the memory free at the first step, less a
+            margin). The first step recomputes every layer and measures each; from then on the layers that fit keep
+            their activations, the rest are recomputed, at the least recompute time (see :mod:`lightning_ac.budget`).
+            Not with ``kwargs.every_n_layers``, which chooses the layers itself.
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
             offloaded where (rich when installed, plain text otherwise).
         prog_bar: Show ``lightning_ac/peak_memory_bytes`` (logged each step on CUDA) in the progress bar.
@@ -171,6 +181,7 @@ class ActivationCheckpointing(SuiteCallback):
     Example::
 
         trainer = Trainer(callbacks=[ActivationCheckpointing(kwargs={"every_n_layers": 2})])
+        trainer = Trainer(callbacks=[ActivationCheckpointing(budget="20GiB")])
     """
 
     def __init__(
@@ -181,13 +192,20 @@ class ActivationCheckpointing(SuiteCallback):
         kwargs: Optional[Mapping[str, Any]] = None,
         selective: Any = None,
         layers: Optional[Sequence[LayerSpec]] = None,
+        budget: Any = None,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
         self.request = CheckpointingRequest.from_arguments(
-            implementation=implementation, reentrant=reentrant, kwargs=kwargs, selective=selective, layers=layers
+            implementation=implementation,
+            reentrant=reentrant,
+            kwargs=kwargs,
+            selective=selective,
+            layers=layers,
+            budget=budget,
         )
         self._init_output(verbose, prog_bar)
+        self._budget_state: Optional[Dict[str, Any]] = None
 
     @classmethod
     def _from_request(cls, request: CheckpointingRequest, verbose: bool = False) -> ActivationCheckpointing:
@@ -195,6 +213,7 @@ class ActivationCheckpointing(SuiteCallback):
         callback = cls.__new__(cls)
         callback.request = request
         callback._init_output(verbose, False)
+        callback._budget_state = None
         return callback
 
     @property
@@ -211,10 +230,34 @@ class ActivationCheckpointing(SuiteCallback):
         return "ActivationCheckpointing"
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"activation_checkpointing": config_to_dict(self.config)}
+        state: Dict[str, Any] = {"activation_checkpointing": config_to_dict(self.config)}
+        budget = self._plan.budget if self._plan is not None else None
+        if budget is not None and budget.settled:
+            state["budget_plan"] = budget.state_dict()
+        return state
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._hand_over_budget_state()
+
+    def _hand_over_budget_state(self) -> None:
+        """A checkpoint's settled plan goes to this run's budget (Lightning restores callback state after setup,
+        and a plan deferred to configure_model exists only after that)."""
+        budget = self._plan.budget if self._plan is not None else None
+        if budget is not None and self._budget_state is not None:
+            state, self._budget_state = self._budget_state, None
+            budget.load_state_dict(state)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hand_over_budget_state()
+        super().on_fit_start(trainer, pl_module)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._budget_state = state_dict.get("budget_plan")
+        self._hand_over_budget_state()
         saved = state_dict.get("activation_checkpointing")
+        if saved is not None:
+            saved = {"budget": None, **saved}  # written before the block had a budget
         if saved is not None and saved != config_to_dict(self.config):
             rank_zero_warn(
                 f"resuming with activation_checkpointing {config_to_dict(self.config)}; the checkpoint was written "

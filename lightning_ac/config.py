@@ -42,6 +42,7 @@ __all__ = [
     "parse_count",
     "parse_layers",
     "parse_placement",
+    "parse_budget",
     "parse_size",
     "CHECKPOINT_KWARGS",
     "OFFLOAD_TARGETS",
@@ -132,6 +133,10 @@ class ActivationCheckpointingConfig:
         kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments, plus ``every_n_layers``.
         selective: Selective activation checkpointing, ``None`` when off.
         offload: Offload placement of each target.
+        budget: The memory budget: the activation memory one training step may use, in bytes (an int after
+            :func:`parse_config`; text with a unit before), or ``"auto"`` (the device memory free at the first step,
+            less a margin; accelerators only). The suite then chooses per decoder layer what to keep and what to
+            recompute (:mod:`lightning_ac.budget`). ``None``: every layer the other fields name is recomputed.
     """
 
     enabled: bool = True
@@ -140,6 +145,7 @@ class ActivationCheckpointingConfig:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     selective: Any = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    budget: Any = None
 
     @property
     def use_reentrant(self) -> bool:
@@ -259,7 +265,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
 def parse_size(value: Any, name: str) -> int:
     """A memory size: a positive int of bytes, or text with a unit (``"24GiB"``, ``"512MiB"``, ``"20GB"``,
     ``"300 MB"``; binary and decimal units, any case). Booleans, zero, negatives and unknown units are errors; so is
-    ``auto``, which the memory budget's field resolves itself (issue 21) before it asks for a size.
+    ``auto``, which the ``budget`` field resolves itself (:func:`parse_budget`) before it asks for a size.
 
     Returns:
         The size in bytes.
@@ -278,6 +284,24 @@ def parse_size(value: Any, name: str) -> int:
     if size <= 0:
         raise _expected(name, expected, value, "Give the activation memory one training step may use.")
     return size
+
+
+AUTO = "auto"
+
+
+def parse_budget(value: Any, name: str) -> Any:
+    """The ``budget`` field: ``None`` (off), ``"auto"`` (any case) or a size (:func:`parse_size`, in bytes)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return parse_size(value, name)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{err} Or write {AUTO} (on an accelerator: the device memory free when the first step starts, less a "
+            "margin), or leave the field out to recompute every layer."
+        ) from None
 
 
 def parse_tolerance(value: Any, name: str) -> float:
@@ -454,6 +478,8 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
             ignored.append("kwargs")
         if cfg.implementation == "fsdp":
             ignored.append("implementation: fsdp")
+        if cfg.budget is not None:
+            ignored.append("budget")
         if ignored:
             raise ConfigError(
                 f"activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all "
@@ -462,6 +488,12 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
                 f"{', '.join(i.split(':')[0] for i in ignored)}."
             )
     check_offload_targets(cfg.offload, "activation_checkpointing.offload")
+    if cfg.budget is not None and "every_n_layers" in cfg.kwargs:
+        raise ConfigError(
+            f"activation_checkpointing.budget: {cfg.budget!r} chooses which decoder layers are recomputed, and so "
+            f"does kwargs.every_n_layers: {cfg.kwargs['every_n_layers']}. Keep one of them: remove "
+            "kwargs.every_n_layers to let the budget choose, or remove budget."
+        )
     if cfg.offload.selective != off and cfg.selective is None:
         raise ConfigError(
             "activation_checkpointing.offload.selective: cpu needs selective checkpointing, which decides what "
@@ -535,6 +567,7 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         kwargs=_parse_kwargs(value.get("kwargs")),
         selective=_parse_selective(value.get("selective")),
         offload=_parse_offload(value.get("offload")),
+        budget=parse_budget(value.get("budget"), "activation_checkpointing.budget"),
     )
     check_combination(cfg)
     return cfg
@@ -571,6 +604,7 @@ class CheckpointingRequest:
         kwargs: Any = None,
         selective: Any = None,
         layers: Any = None,
+        budget: Any = None,
     ) -> CheckpointingRequest:
         """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
         layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
@@ -578,8 +612,9 @@ class CheckpointingRequest:
             raise _expected(
                 "ActivationCheckpointing(kwargs=...)", "a mapping of torch.utils.checkpoint arguments", kwargs
             )
+        budget = parse_budget(budget, "ActivationCheckpointing(budget=...)")
         block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
-        return cls(parse_config(block), layers)
+        return cls(parse_config({**block, "budget": budget}), layers)
 
     @classmethod
     def from_config(cls, config: ActivationCheckpointingConfig) -> CheckpointingRequest:

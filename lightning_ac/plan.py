@@ -22,10 +22,12 @@ from torch.utils.checkpoint import checkpoint
 
 import lightning_ac.selfcheck as selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac.budget import BudgetController, Choice
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES
 from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
 from lightning_ac.config import (
+    AUTO,
     ActivationOffloadRequest,
     CheckpointingRequest,
     ConfigError,
@@ -42,6 +44,7 @@ from lightning_ac.layers import (
     transformers_models,
 )
 from lightning_ac.offload.activations import ActivationOffloadRuntime
+from lightning_ac.offload.device import format_bytes
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.apply import build_policy
@@ -82,6 +85,7 @@ class Plan:
         selective: The selective checkpointing policy in force, if any.
         activation_offload: The activation-offload runtime in force, if any.
         weight_streamer: The layer-offloading runtime in force, if any.
+        budget: The memory budget's controller, when the block sets ``budget``.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Plan:
         self.selective: Optional[SelectivePolicy] = None
         self.activation_offload: Optional[ActivationOffloadRuntime] = None
         self.weight_streamer: Optional[LayerWeightStreamer] = None
+        self.budget: Optional[BudgetController] = None
         self._journal: Optional[ModuleJournal] = None
         self._deferred = False
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
@@ -127,6 +132,11 @@ class Plan:
             raise ConfigError(
                 f"activation_checkpointing.implementation: fsdp needs an FSDP strategy, but the Trainer uses "
                 f"{name}. Use implementation: hf, or train with strategy='fsdp' / ModelParallelStrategy."
+            )
+        if self.config.enabled and self.config.budget == AUTO and strategy.root_device.type != "cuda":
+            raise ConfigError(
+                f"activation_checkpointing.budget: auto reads the memory free on a CUDA device, but the Trainer runs "
+                f"on {strategy.root_device.type}. Give the budget as a size (budget: 2GiB), or train on a GPU."
             )
         if self.layer_offload_request is not None:
             if isinstance(strategy, _SHARDING_STRATEGIES):
@@ -342,10 +352,11 @@ class Plan:
 
         - the offload runtime's step starts (``offload.all``'s saved-tensor hooks); it ends at
           ``on_train_batch_end``, after backward and the optimizer step;
+        - the memory budget's step starts (its measurements), and ends there too;
         - in verify mode, the reference pass runs first, on the same arguments.
         """
-        module, runtime, verifier = self.module, self.activation_offload, self.verifier
-        if not _is_lightning_module(module) or (runtime is None and verifier is None):
+        module, runtime, verifier, budget = self.module, self.activation_offload, self.verifier, self.budget
+        if not _is_lightning_module(module) or (runtime is None and verifier is None and budget is None):
             return
         original = module.training_step
         trainer = self._trainer
@@ -353,6 +364,8 @@ class Plan:
         def step(*args: Any, **kwargs: Any) -> Any:
             if runtime is not None and not runtime.in_step:  # a closure an optimizer calls again (LBFGS): same step
                 runtime.start_step()
+            if budget is not None and not budget.in_step:
+                budget.begin_step(module, trainer.optimizers)
             return original(*args, **kwargs)
 
         @functools.wraps(original)
@@ -387,16 +400,42 @@ class Plan:
             self.selective.install()
             context_fn = self.selective.context_fn
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
+        switches = None
+        if cfg.budget is not None:
+            assert self.device is not None
+            runtime = self.activation_offload
+            moved = runtime.targets if runtime is not None and self.device.type != "cpu" else []
+            self.budget = BudgetController(
+                cfg.budget,
+                modules,
+                checkpoint_fn,
+                self.device,
+                input_held="hidden_states" not in moved,
+                on_change=self._budget_changed,
+                noun=layers.noun,
+                policy=self.selective,
+                rules_held="selective" not in moved,
+                layer_types=layers.layer_types,
+            )
+            switches = self.budget.switches
         if layers.hf_models and cfg.implementation == "hf":
             self._engine = "hf"
-            self.recomputed = enable_hf_checkpointing(layers.hf_models, modules, cfg, context_fn, checkpoint_fn)
+            self.recomputed = enable_hf_checkpointing(
+                layers.hf_models, modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches
+            )
         else:
             # plain torch layers, or implementation: fsdp: torch's non-reentrant checkpoint around each layer's
             # forward, outside transformers; FSDP2's hooks stay outside the recompute
             self._engine = "fsdp" if cfg.implementation == "fsdp" else "torch"
-            self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn)
+            self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
+
+    def _budget_changed(self, choices: List[Choice]) -> None:
+        """The budget chose again: the report and the selective policy follow."""
+        self.recomputed = [c is not Choice.keep for c in choices]
+        if self.selective is not None:
+            self.selective.set_checkpointed([c is Choice.selective for c in choices])
 
     def _install_weight_streamer(self, modules: List[nn.Module]) -> None:
         assert self.device is not None and self.layer_offload_request is not None
@@ -484,6 +523,9 @@ class Plan:
         parts = [self._engine, "reentrant" if cfg.use_reentrant else "non-reentrant"]
         if cfg.every_n_layers > 1:
             parts.append(f"every {cfg.every_n_layers} layers")
+        if self.budget is not None:
+            what = "auto" if cfg.budget == AUTO else format_bytes(cfg.budget)
+            parts.append(f"budget {what}: measuring in the first step, then choosing per layer")
         if cfg.selective is not None:
             saves = [*cfg.selective.save, *(f"module {m}" for m in cfg.selective.save_modules)]
             if cfg.selective.save_matmul_min_k:
@@ -502,6 +544,8 @@ class Plan:
             recomputed = bool(self.recomputed[index]) if index < len(self.recomputed) else False
             layer_type = self.layers.layer_types[index] if index < len(self.layers.layer_types) else None
             saves = self.selective.describe_layer(index, recomputed) if self.selective is not None else None
+            if self.budget is not None:
+                saves = "; ".join(filter(None, [self.budget.describe_layer(index), saves]))
             offloaded = []
             if self.weight_streamer is not None:
                 offloaded += filter(None, [self.weight_streamer.describe_layer(index)])
@@ -528,12 +572,13 @@ class Plan:
         self._cache_configs = []
         self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
-        streamer = self.weight_streamer
-        self.activation_offload = self.selective = self._journal = self.weight_streamer = None
+        streamer, budget = self.weight_streamer, self.budget
+        self.activation_offload = self.selective = self._journal = self.weight_streamer = self.budget = None
         self.recomputed = []
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
         home = torch.device("cpu") if after_exception else self._home_device(streamer)
         steps = [
+            budget.abort_step if budget is not None else None,
             functools.partial(streamer.close, home) if streamer is not None else None,
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,

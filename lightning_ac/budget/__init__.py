@@ -1,10 +1,13 @@
-"""The memory budget (issue 21, in progress): the suite decides, layer by layer, what to keep, run selectively or
-recompute so that a step fits a given activation memory at the least recompute time.
+"""The memory budget: the suite decides, layer by layer, what to keep and what to recompute so that a training step
+fits a given activation memory at the least recompute time.
 
-Here so far: the exact per-layer choice (:mod:`lightning_ac.budget.choice`), a pure function of measured figures.
-Still to come: measuring the figures in the first step, the ``budget`` field of the block, the closed-loop check.
+- :mod:`~lightning_ac.budget.choice`: the exact per-layer choice, a pure function of measured figures;
+- :mod:`~lightning_ac.budget.measure`: each layer's figures, measured in a step;
+- :mod:`~lightning_ac.budget.switch`: each layer's checkpoint function, doing what its current choice says;
+- :mod:`~lightning_ac.budget.controller`: the closed loop (measure, choose, check, correct, settle).
 """
 
 from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
+from lightning_ac.budget.controller import BudgetController
 
-__all__ = ["Choice", "LayerFigures", "LayerPlan", "choose", "estimate"]
+__all__ = ["BudgetController", "Choice", "LayerFigures", "LayerPlan", "choose", "estimate"]

@@ -46,6 +46,8 @@ class LayerFigures:
         recompute_seconds: The time its recompute adds to a step.
         selective_bytes: What it holds under the save rules (its input and what they keep), if measured.
         selective_seconds: The time a selective recompute adds, if measured.
+        input_saved_bytes: What of its input the forward saves itself (counted in ``saved_bytes`` already, so a
+            recompute's working set does not hold it twice).
     """
 
     saved_bytes: int
@@ -53,22 +55,30 @@ class LayerFigures:
     recompute_seconds: float
     selective_bytes: Optional[int] = None
     selective_seconds: Optional[float] = None
+    input_saved_bytes: int = 0
+
+    def cost(self, choice: Choice) -> Tuple[int, int, float]:
+        """``(held bytes, working bytes, seconds)`` of ``choice``; selective needs its figures."""
+        working = self.input_bytes + self.saved_bytes - min(self.input_saved_bytes, self.input_bytes)
+        if choice is Choice.keep:
+            return self.saved_bytes, self.saved_bytes, 0.0
+        if choice is Choice.recompute:
+            return self.input_bytes, working, self.recompute_seconds
+        if self.selective_bytes is None or self.selective_seconds is None:
+            raise ValueError("selective figures were not measured for this layer")
+        return self.selective_bytes, working, self.selective_seconds
 
     def options(self) -> Dict[Choice, Tuple[int, int, float]]:
-        """``choice -> (held bytes, working bytes, seconds)``. Selective is offered only where it was measured faster
+        """The choices on offer, each with :meth:`cost`. Selective is offered only where it was measured faster
         than recomputing the whole layer: its policy runs Python for every op, which can cost more than it saves."""
-        working = self.input_bytes + self.saved_bytes
-        found = {
-            Choice.keep: (self.saved_bytes, self.saved_bytes, 0.0),
-            Choice.recompute: (self.input_bytes, working, self.recompute_seconds),
-        }
+        offered = [Choice.keep, Choice.recompute]
         if (
             self.selective_bytes is not None
             and self.selective_seconds is not None
             and self.selective_seconds < self.recompute_seconds
         ):
-            found[Choice.selective] = (self.selective_bytes, working, self.selective_seconds)
-        return found
+            offered.append(Choice.selective)
+        return {choice: self.cost(choice) for choice in offered}
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ def estimate(
     peak = 0
     seconds = 0.0
     for figures, choice in zip(layers, choices):
-        layer_held, working, layer_seconds = figures.options()[choice]
+        layer_held, working, layer_seconds = figures.cost(choice)
         peak = max(peak, held + working)
         held += layer_held
         seconds += layer_seconds

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -127,9 +127,11 @@ def wrap_layers(
     config: ActivationCheckpointingConfig,
     context_fn: Optional[Callable[[], Any]] = None,
     checkpoint_fn: Callable[..., Any] = checkpoint,
+    layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
 ) -> List[bool]:
     """Checkpoint every ``every_n_layers``-th layer with ``torch.utils.checkpoint`` (or ``checkpoint_fn``, a
-    wrapper of it, e.g. one that offloads the layer's inputs).
+    wrapper of it, e.g. one that offloads the layer's inputs; or, per layer, ``layer_checkpoint_fns``: the memory
+    budget's switches).
 
     Returns:
         For each layer, whether it is checkpointed.
@@ -137,10 +139,11 @@ def wrap_layers(
     kwargs: Dict[str, Any] = dict(config.checkpoint_kwargs)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
+    functions = list(layer_checkpoint_fns) if layer_checkpoint_fns is not None else [checkpoint_fn] * len(layers)
     applied = []
-    for index, layer in enumerate(layers):
+    for index, (layer, function) in enumerate(zip(layers, functions)):
         wrap = index % config.every_n_layers == 0
         if wrap:
-            layer.forward = _checkpointed_forward(layer, layer.forward, kwargs, checkpoint_fn)  # type: ignore[method-assign]
+            layer.forward = _checkpointed_forward(layer, layer.forward, kwargs, function)  # type: ignore[method-assign]
         applied.append(wrap)
     return applied

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -27,6 +27,7 @@ def enable_hf_checkpointing(
     config: ActivationCheckpointingConfig,
     context_fn: Optional[Callable[[], Any]] = None,
     checkpoint_fn: Callable[..., Any] = checkpoint,
+    layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
 ) -> List[bool]:
     """Turn on transformers' checkpointing on each model.
 
@@ -55,10 +56,10 @@ def enable_hf_checkpointing(
             activation_checkpointing_kwargs=kwargs, every_n_layers=config.every_n_layers
         )
     checkpointed = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
-    if checkpoint_fn is not checkpoint:
-        for layer, on in zip(layers, checkpointed):
-            if on:
-                layer._gradient_checkpointing_func = _with_function(layer._gradient_checkpointing_func, checkpoint_fn)
+    functions = list(layer_checkpoint_fns) if layer_checkpoint_fns is not None else [checkpoint_fn] * len(layers)
+    for layer, on, function in zip(layers, checkpointed, functions):
+        if on and function is not checkpoint:
+            layer._gradient_checkpointing_func = _with_function(layer._gradient_checkpointing_func, function)
     return checkpointed
 
 

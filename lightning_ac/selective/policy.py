@@ -73,10 +73,24 @@ class _Region:
     saved: List[Tuple[int, RuleStats, str]] = field(default_factory=list)
     mandatory: set = field(default_factory=set)
     replayed_ops: int = 0
+    saved_bytes: int = 0  # what the saved outputs hold
 
 
 def _clone_tensors(out: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _tensor_bytes(out: Any) -> int:
+    total = 0
+
+    def add(t: Any) -> Any:
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+        return t
+
+    tree_map(add, out)
+    return total
 
 
 def _is_skipped(name: str) -> bool:
@@ -101,10 +115,27 @@ class _ForwardMode(TorchDispatchMode):
         rule, region.last_rule = region.last_rule, None
         if rule is not None:
             region.saved.append((index, rule, name))
+            region.saved_bytes += _tensor_bytes(out)
             rule.saved += 1
             if rule.mandatory:
                 region.mandatory.add(index)
                 out = _clone_tensors(out)
+        return out
+
+
+class _DryRunMode(TorchDispatchMode):
+    """Asks the policy about every op of a call that runs without it, and adds up what its saves would hold (the
+    memory budget plans selective layers from this before running any)."""
+
+    def __init__(self, policy: SelectivePolicy, region: _Region) -> None:
+        super().__init__()
+        self.policy, self.region = policy, region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _is_skipped(op_name(func)) and self.policy.decide(self.region, func, args, kwargs, count=False):
+            self.region.saved_bytes += _tensor_bytes(out)
         return out
 
 
@@ -175,6 +206,7 @@ class SelectivePolicy:
         )
         self.registered_rules: Dict[int, RuleStats] = {}
         self.saved_ops_per_layer: Dict[int, Counter] = {}
+        self.saved_bytes_per_layer: Dict[int, int] = {}
         self.regions = 0
         self.recomputes = 0
         self.diagnosed = False
@@ -369,6 +401,14 @@ class SelectivePolicy:
         return self._forward_context(region, storage_forward), recompute
 
     @contextlib.contextmanager
+    def dry_run(self, index: int) -> Iterator[_Region]:
+        """Around a call of decoder layer ``index`` that runs without the policy: ``region.saved_bytes`` becomes what
+        the policy would have saved in it. Counts nothing in the rules' statistics."""
+        region = _Region(index, self.layer_types[index] if index < len(self.layer_types) else None)
+        with _DryRunMode(self, region):
+            yield region
+
+    @contextlib.contextmanager
     def _forward_context(self, region: _Region, storage: Any) -> Iterator[None]:
         self._active.clear()  # a recompute stopped early can leave a module hook unbalanced
         self.regions += 1
@@ -376,6 +416,7 @@ class SelectivePolicy:
             yield
         if region.layer is not None:
             self.saved_ops_per_layer[region.layer] = Counter(name for _, _, name in region.saved)
+            self.saved_bytes_per_layer[region.layer] = region.saved_bytes
 
     @contextlib.contextmanager
     def _recompute_context(self, region: _Region, storage: Any) -> Iterator[None]:

@@ -1,0 +1,497 @@
+"""The memory budget's closed loop: measure in the first step, choose, check the choice against the next measured
+peak, correct it until it holds, and settle.
+
+1. The first training step recomputes every decoder layer (the least memory the block allows) and measures each
+   layer's figures (:mod:`lightning_ac.budget.measure`) and the step's activation peak. What the per-layer figures
+   do not see (the embeddings, the output head's logits and loss, backward's temporaries) is the difference between
+   that peak and the figures' estimate of it: the calibration, added at every backward position.
+2. :func:`~lightning_ac.budget.choice.choose` picks keep / recompute per layer for the least recompute time whose
+   estimated peak is under the budget.
+3. The next step's peak is measured. Over the budget: the calibration takes the difference (and a small slack),
+   the choice is made again, and the step after is measured. Under it: the plan is settled and one line says so.
+   On CUDA every step's peak is read (the allocator keeps it for free) and a settled plan that goes over is
+   corrected too; on the CPU a step is measured with MemTracker, which slows it, so only until the plan settles.
+4. A batch with more tokens than any measured is re-planned before its first layer runs, with the figures scaled
+   per token; the layers are measured again in that step, and where their figures did not scale linearly, the
+   planner says so and takes the measured ones.
+
+Under DDP and FSDP every rank must recompute the same layers: measurements are reduced (the largest) across the
+ranks before a choice is made, and the token count of each step is agreed the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
+from lightning_ac.budget.measure import LayerMeter, LayerReading
+from lightning_ac.budget.switch import LayerSwitch
+from lightning_ac.config import AUTO
+from lightning_ac.offload.device import format_bytes
+from lightning_ac.selective.policy import SelectivePolicy
+
+__all__ = ["BudgetController", "AUTO_MARGIN", "MAX_CORRECTIONS"]
+
+# budget: auto leaves this fraction of the device's memory free (fragmentation, the allocator's rounding, other
+# processes' growth)
+AUTO_MARGIN = 0.10
+# Corrections before the plan falls back to recomputing every layer.
+MAX_CORRECTIONS = 4
+# A correction aims this fraction of the budget below it, so that step-to-step noise does not cross it again.
+SLACK = 0.01
+# Before the save rules have run in a layer, their time is guessed at this fraction of a whole recompute: low enough
+# that they are tried wherever they fit, and measured in the step that runs them.
+SELECTIVE_GUESS = 0.5
+# Figures measured at more tokens that differ from the scaled ones by more than this do not scale linearly.
+LINEAR_TOLERANCE = 0.10
+
+_MEASURE, _CHECK, _SETTLED = "measure", "check", "settled"
+
+
+class BudgetController:
+    """Decides, step by step until it settles, which decoder layers keep their activations under a memory budget.
+
+    Args:
+        budget: The activation memory a step may use, in bytes, or ``"auto"``.
+        layers: The decoder layers, in order.
+        checkpoint_fn: The checkpoint function the engines would use for every layer.
+        device: The device the steps compute on.
+        input_held: Whether a recomputed layer's input stays on the device (not when ``offload.hidden_states``
+            moves it to host memory on an accelerator).
+        on_change: Called with the choices whenever they change (the plan updates its report and policy).
+        noun: What the layers are called in messages.
+        policy: The selective policy, when the block sets ``selective``: then a layer can also run under the save
+            rules, where that measures faster than recomputing it whole.
+        rules_held: Whether what the save rules keep stays on the device (not when ``offload.selective`` moves it
+            to host memory on an accelerator).
+        layer_types: Each layer's attention type (``sliding_attention``...), where the model says: the save rules'
+            measured cost in one layer stands for the layers of its type until they are measured themselves.
+    """
+
+    def __init__(
+        self,
+        budget: Any,
+        layers: Sequence[nn.Module],
+        checkpoint_fn: Callable[..., Any],
+        device: torch.device,
+        input_held: bool = True,
+        on_change: Optional[Callable[[List[Choice]], None]] = None,
+        noun: str = "decoder layers",
+        policy: Optional[SelectivePolicy] = None,
+        rules_held: bool = True,
+        layer_types: Optional[Sequence[Optional[str]]] = None,
+    ) -> None:
+        self.requested = budget
+        self.budget_bytes: Optional[int] = None if budget == AUTO else int(budget)
+        self.device = device
+        self.input_held = input_held
+        self.rules_held = rules_held
+        self.noun = noun
+        self.policy = policy
+        self.layer_types = list(layer_types) if layer_types is not None else [None] * len(layers)
+        self.meter = LayerMeter(
+            layers,
+            device,
+            dry_run=policy.dry_run if policy is not None else None,
+            rule_bytes=policy.saved_bytes_per_layer.get if policy is not None else None,
+        )
+        # per layer: whether its selective figures were measured (not the first guess), and in which step
+        self.selective_measured = [False] * len(layers)
+        self.switches = [LayerSwitch(i, checkpoint_fn, self.meter, self._before_layer) for i in range(len(layers))]
+        self.on_change = on_change
+        self.figures: Optional[List[LayerFigures]] = None
+        self.tokens = 0  # the tokens per step the figures hold for
+        self.calibration = 0  # measured peak less the figures' estimate: what they do not see
+        self.plan: Optional[LayerPlan] = None
+        self.full_seconds = 0.0  # the estimated recompute time of every layer recomputed
+        self.measured_peak: Optional[int] = None
+        self.corrections = 0
+        self.phase = _MEASURE
+        self.steps = 0
+        self.in_step = False
+        self._measurement: Any = None
+        self._first_call = False
+        self._rescaled_from: Optional[List[LayerFigures]] = None
+        self._floor = -(2**62)  # the calibration's lower bound, raised by every step over the budget
+        self._measured: Dict[tuple, int] = {}  # the peak each measured choice had
+
+    # -- what the plan asks -----------------------------------------------------------------------------------
+
+    @property
+    def choices(self) -> List[Choice]:
+        return [switch.choice for switch in self.switches]
+
+    @property
+    def settled(self) -> bool:
+        return self.phase == _SETTLED
+
+    @property
+    def estimated_peak(self) -> Optional[int]:
+        if self.figures is None:
+            return None
+        return estimate(self.figures, self.choices, self.calibration)[0]
+
+    def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """At a training step's start (every micro-batch: each has its own forward and backward)."""
+        from lightning_ac.bench.memory import measure_step  # the benchmark's measurement: the same peak it reports
+
+        self.in_step, self._first_call = True, True
+        if self.budget_bytes is None:
+            self.budget_bytes = self._auto_budget()
+        if self.phase == _MEASURE:
+            self._set([Choice.recompute] * len(self.switches))
+            self.meter.dry = self.policy is not None
+            self.meter.start()
+        elif self._trying_rules():
+            self.meter.dry = False
+            self.meter.start()
+        if self.phase != _SETTLED or self.device.type == "cuda":
+            self._measurement = measure_step([module], list(optimizers), self.device)
+            self._measurement.__enter__()
+
+    def end_step(self) -> None:
+        """At a training step's end: take the measurements, and choose again where they say so."""
+        if not self.in_step:
+            return  # the step was skipped (on_train_batch_start returned -1) or had no training_step
+        self.in_step = False
+        measurement, self._measurement = self._measurement, None
+        peak = None
+        if measurement is not None:
+            measurement.__exit__(None, None, None)
+            peak = measurement.result.activation_bytes if measurement.result is not None else None
+        readings = self.meter.stop() if self.meter.active else None
+        self.steps += 1
+        peak = int(self._agree([peak])[0]) if peak is not None else None
+        self.measured_peak = peak if peak is not None else self.measured_peak
+        if self.phase == _MEASURE:
+            assert readings is not None and peak is not None
+            self._take_figures(readings)
+            self.full_seconds = sum(f.recompute_seconds for f in self.figures or [])
+            self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
+            self._check(peak, first=True)
+            return
+        if readings is not None and self._rescaled_from is not None:
+            self._check_scaling(readings)
+        elif readings is not None:
+            self._take_selective(readings)
+        if peak is not None:
+            self._check(peak)
+
+    def abort_step(self) -> None:
+        """After an exception: nothing measured stays active."""
+        self.in_step = False
+        measurement, self._measurement = self._measurement, None
+        if measurement is not None:
+            measurement.__exit__(RuntimeError, RuntimeError("step failed"), None)
+        if self.meter.active:
+            self.meter.stop()
+
+    # -- state ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The settled plan and what it was chosen from, for a resumed run to start from."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "layers": len(self.switches),
+            "tokens": self.tokens,
+            "calibration": self.calibration,
+            "full_seconds": self.full_seconds,
+            "figures": [dataclasses.asdict(f) for f in self.figures] if self.figures is not None else None,
+            "choices": [c.value for c in self.choices],
+            "settled": self.settled,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Start from a saved plan, unless it was made for another model or budget (then measure again)."""
+        requested = self.budget_bytes if self.requested != AUTO else state.get("budget_bytes")
+        if state.get("layers") != len(self.switches) or state.get("budget_bytes") != requested:
+            rank_zero_info(
+                f"budget: the checkpoint's plan was made for {state.get('layers')} {self.noun} and a budget of "
+                f"{state.get('budget_bytes')} bytes; this run has {len(self.switches)} and {requested}: measuring "
+                "again"
+            )
+            return
+        if not state.get("settled") or state.get("figures") is None:
+            return  # saved before it settled: measuring again costs one step
+        self.budget_bytes = state["budget_bytes"]
+        self.figures = [LayerFigures(**f) for f in state["figures"]]
+        self.tokens = int(state["tokens"])
+        self.calibration = int(state["calibration"])
+        self.full_seconds = float(state["full_seconds"])
+        self._set([Choice(c) for c in state["choices"]])
+        self.phase = _SETTLED
+        rank_zero_info(f"budget: resuming with the checkpoint's plan ({self._summary()})")
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+
+    def _before_layer(self, index: int, args: tuple) -> None:
+        """Before each layer call; the first of a step checks its tokens against the figures'."""
+        if not self._first_call:
+            return
+        self._first_call = False
+        tokens = int(self._agree([self.meter.note_tokens(args)])[0])
+        if self.figures is None or tokens <= self.tokens:
+            return
+        ratio = tokens / self.tokens
+        rank_zero_info(
+            f"budget: this step has {tokens} tokens, more than the {self.tokens} measured: choosing again with the "
+            "figures scaled per token, and measuring the layers in this step"
+        )
+        self._rescaled_from = self.figures
+        self.figures = [_scaled(f, ratio) for f in self.figures]
+        self.calibration = int(self.calibration * ratio)
+        self.tokens = tokens
+        self._choose()
+        if not self.meter.active:
+            self.meter.dry = self.policy is not None
+            self.meter.start()
+            self.meter.note_tokens(args)
+
+    def _take_figures(self, readings: List[LayerReading]) -> None:
+        values = self._agree(
+            [
+                v
+                for r in readings
+                for v in (r.saved_bytes, r.input_bytes, r.input_saved_bytes, r.rule_bytes, r.forward_seconds)
+            ]
+        )
+        agreed = [
+            LayerReading(
+                saved_bytes=int(values[5 * i]),
+                input_bytes=int(values[5 * i + 1]),
+                input_saved_bytes=int(values[5 * i + 2]),
+                rule_bytes=int(values[5 * i + 3]),
+                forward_seconds=values[5 * i + 4],
+            )
+            for i in range(len(readings))
+        ]
+        selective = self.policy is not None
+        figures = [r.figures(self.input_held, self.rules_held, selective) for r in agreed]
+        if selective:  # a first guess, so that the rules are tried where they fit; the step that runs them measures
+            figures = [dataclasses.replace(f, selective_seconds=SELECTIVE_GUESS * f.recompute_seconds) for f in figures]
+            self.selective_measured = [False] * len(figures)
+        self.figures = figures
+        self.tokens = int(self._agree([self.meter.tokens])[0])
+
+    def _trying_rules(self) -> bool:
+        """Whether this step runs the save rules in a layer whose selective figures are still a guess."""
+        return any(c is Choice.selective and not m for c, m in zip(self.choices, self.selective_measured))
+
+    def _take_selective(self, readings: List[LayerReading]) -> None:
+        """After a step that ran the save rules in layers with guessed figures: their measured figures, and for the
+        other layers of the same type, the measured layers' time relative to a whole recompute."""
+        assert self.figures is not None
+        trying = [i for i, c in enumerate(self.choices) if c is Choice.selective and not self.selective_measured[i]]
+        measured = [readings[i] for i in trying]
+        values = self._agree([v for r in measured for v in (r.forward_seconds, r.recompute_seconds, r.rule_bytes)])
+        ratios: Dict[Any, List[float]] = {}
+        for k, index in enumerate(trying):
+            forward, recompute, kept = values[3 * k : 3 * k + 3]
+            before = self.figures[index]
+            # the save rules' cost: what their policy adds to the forward, and the partial recompute
+            seconds = max(0.0, forward - before.recompute_seconds) + recompute
+            held = before.input_bytes + (int(kept) if self.rules_held else 0)
+            self.figures[index] = dataclasses.replace(before, selective_seconds=seconds, selective_bytes=held)
+            self.selective_measured[index] = True
+            if before.recompute_seconds > 0:
+                ratios.setdefault(self.layer_types[index], []).append(seconds / before.recompute_seconds)
+        for index, figures in enumerate(self.figures):
+            found = ratios.get(self.layer_types[index])
+            if not self.selective_measured[index] and found:
+                ratio = sum(found) / len(found)
+                self.figures[index] = dataclasses.replace(figures, selective_seconds=ratio * figures.recompute_seconds)
+                self.selective_measured[index] = True
+
+    def _check_scaling(self, readings: List[LayerReading]) -> None:
+        """After a step re-planned for more tokens: the measured figures replace the scaled ones; if they differ
+        by more than :data:`LINEAR_TOLERANCE`, say that this model's activations do not scale per token."""
+        scaled = self.figures or []
+        measured_rules = self.selective_measured
+        self._rescaled_from = None
+        choices = self.choices
+        self._take_figures(readings)
+        assert self.figures is not None
+        for index, (before, choice) in enumerate(zip(scaled, choices)):
+            # the save rules' time is what was measured, scaled; a layer that ran them saved part of its
+            # activations past the hooks, so its whole-layer figures stay the scaled ones
+            kept = dict(selective_seconds=before.selective_seconds)
+            if choice is Choice.selective:
+                kept.update(saved_bytes=before.saved_bytes, input_saved_bytes=before.input_saved_bytes)
+            self.figures[index] = dataclasses.replace(self.figures[index], **kept)
+        self.selective_measured = measured_rules
+        measured = sum(f.saved_bytes for f in self.figures or [])
+        expected = sum(f.saved_bytes for f in scaled)
+        if expected and abs(measured - expected) > LINEAR_TOLERANCE * expected:
+            rank_zero_info(
+                f"budget: the {self.noun}' saved activations did not scale linearly with the tokens "
+                f"({format_bytes(measured)} measured, {format_bytes(expected)} scaled): the plan uses the measured "
+                "figures from here on"
+            )
+        self._choose()
+
+    def _check(self, peak: int, first: bool = False) -> None:
+        """A measured step under the current choices: calibrate on it, choose again, and settle once the choice
+        stays the same and its peak is under the budget.
+
+        The first step is not held against later ones: it also allocates what only a first step does (gradients
+        that did not exist yet, an accelerator library's workspace), so its excess neither raises the calibration's
+        floor nor ends the run's search with a warning."""
+        assert self.budget_bytes is not None and self.figures is not None
+        budget, choices = self.budget_bytes, self.choices
+        if self.settled and peak <= budget:
+            return  # CUDA reads every step: a settled plan under the budget stays
+        unseen = peak - estimate(self.figures, choices)[0]  # what the figures do not see, in this step
+        over = peak > budget
+        if over and not first:  # never calibrate below a step that went over (else the loop could go back to it)
+            self._floor = max(self._floor, unseen + int(SLACK * budget))
+        self._measured[tuple(choices)] = peak
+        self.calibration = max(self._floor, unseen)
+        everything = all(c is Choice.recompute for c in choices)
+        if over and everything and not first:
+            self._settle()
+            self._warn_over(peak, "with every layer recomputed")
+            return
+        plan = choose(self.figures, budget, outside_bytes=self.calibration)
+        if not over and list(plan.choices) == choices:
+            self.plan = plan
+            self._settle()
+            return
+        self.corrections += 1
+        if self.corrections > MAX_CORRECTIONS:  # it did not converge: the fastest plan measured under the budget
+            under = [c for c, p in self._measured.items() if p <= budget]
+            seconds = {c: estimate(self.figures, c)[1] for c in under}
+            best = min(under, key=lambda c: seconds[c]) if under else None
+            self._set(list(best) if best else [Choice.recompute] * len(choices))
+            self._settle()
+            return
+        if over and list(plan.choices) != choices:
+            rank_zero_info(
+                f"budget: the step's activation peak {format_bytes(peak)} is over the budget "
+                f"{format_bytes(budget)}: choosing again with more recompute"
+            )
+        self.plan = plan
+        self._set(list(plan.choices))
+        self.phase = _CHECK
+
+    def _choose(self) -> None:
+        """Choose from the figures and the calibration; the next measured step checks the choice."""
+        assert self.budget_bytes is not None and self.figures is not None
+        self.plan = choose(self.figures, self.budget_bytes, outside_bytes=self.calibration)
+        self._set(list(self.plan.choices))
+        self.phase = _CHECK
+
+    def _settle(self) -> None:
+        if self.phase != _SETTLED:
+            self.phase = _SETTLED
+            rank_zero_info(self._summary())
+
+    def _warn_over(self, peak: int, when: str) -> None:
+        assert self.budget_bytes is not None
+        rank_zero_warn(
+            f"budget {format_bytes(self.budget_bytes)}: the step's activation peak is {format_bytes(peak)} {when}, "
+            "over the budget; training goes on recomputing every layer. To lower the peak further: "
+            "offload.hidden_states: cpu (on an accelerator), layer_offloading: true, or a smaller batch."
+        )
+
+    def _set(self, choices: List[Choice]) -> None:
+        changed = choices != self.choices
+        for switch, choice in zip(self.switches, choices):
+            switch.choice = choice
+        if changed and self.on_change is not None:
+            self.on_change(choices)
+
+    def _summary(self) -> str:
+        choices = self.choices
+        n = len(choices)
+        kept = choices.count(Choice.keep)
+        selective = choices.count(Choice.selective)
+        recomputed = choices.count(Choice.recompute)
+        assert self.budget_bytes is not None
+        estimated = self.estimated_peak
+        figures = self.figures or []
+        seconds = sum(f.cost(c)[2] for f, c in zip(figures, choices))
+        share = f"{100 * seconds / self.full_seconds:.0f}%" if self.full_seconds else "n/a"
+        parts = [f"keeping {kept}/{n} {self.noun}"]
+        if selective:
+            parts.append(f"selective in {selective}")
+        parts.append(f"recomputing {recomputed}")
+        measured = f", measured {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
+        return (
+            f"budget {format_bytes(self.budget_bytes)}: {', '.join(parts)} (estimated peak "
+            f"{format_bytes(estimated or 0)}{measured}; recompute {share} of full's)"
+        )
+
+    def describe_layer(self, index: int) -> str:
+        """The layer's choice and figures, for the per-layer report."""
+        choice = self.switches[index].choice.value
+        if self.figures is None:
+            return f"{choice} (measuring)"
+        f = self.figures[index]
+        return f"{choice}: saves {format_bytes(f.saved_bytes)}, recompute {1000 * f.recompute_seconds:.1f} ms"
+
+    def metrics(self) -> Dict[str, float]:
+        """What the run logs each step."""
+        found = {
+            "lightning_ac/budget_bytes": float(self.budget_bytes or 0),
+            "lightning_ac/budget_recomputed_layers": float(sum(c is not Choice.keep for c in self.choices)),
+        }
+        if self.estimated_peak is not None:
+            found["lightning_ac/budget_estimated_peak_bytes"] = float(self.estimated_peak)
+        if self.measured_peak is not None:
+            found["lightning_ac/budget_measured_peak_bytes"] = float(self.measured_peak)
+        return found
+
+    def summary(self) -> Dict[str, Any]:
+        """The plan as plain data (the main job's ``summary.json``)."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "choices": [c.value for c in self.choices],
+            "estimated_peak_bytes": self.estimated_peak,
+            "measured_peak_bytes": self.measured_peak,
+            "settled": self.settled,
+            "corrections": self.corrections,
+            "line": self._summary() if self.budget_bytes is not None else None,
+        }
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def _auto_budget(self) -> int:
+        """The device memory free now, plus what the allocator holds unused, less :data:`AUTO_MARGIN` of the
+        total."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        budget = int(free + cached - AUTO_MARGIN * total)
+        rank_zero_info(
+            f"budget auto: {format_bytes(budget)} (free {format_bytes(free + cached)} of {format_bytes(total)}, less "
+            f"{AUTO_MARGIN:.0%} of it)"
+        )
+        return max(budget, 1)
+
+    def _agree(self, values: List[float]) -> List[float]:
+        """``values`` as every rank sees them: the largest of each across the ranks (as they are without any)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return values
+        device = self.device if dist.get_backend() != "gloo" else torch.device("cpu")
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+
+def _scaled(figures: LayerFigures, ratio: float) -> LayerFigures:
+    def scale(value: Any) -> Any:
+        return None if value is None else type(value)(value * ratio)
+
+    return LayerFigures(
+        saved_bytes=scale(figures.saved_bytes),
+        input_bytes=scale(figures.input_bytes),
+        recompute_seconds=scale(figures.recompute_seconds),
+        input_saved_bytes=scale(figures.input_saved_bytes),
+        selective_bytes=scale(figures.selective_bytes),
+        selective_seconds=scale(figures.selective_seconds),
+    )

@@ -1,0 +1,249 @@
+"""What each decoder layer measures in a training step: the bytes its forward saves for backward, the bytes of its
+input, and the time its forward takes (a recompute runs the forward once more).
+
+Saved bytes are counted where autograd saves them: a saved-tensor hook pushed inside the layer's call counts each
+tensor and hands it on to the hooks that were in force (torch's checkpoint packs it into its frame and drops it, so
+the count costs no memory). Parameters, and views of them, are not activations and are left out; a tensor saved
+twice, or two views of one storage, count once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+from torch import nn
+
+from lightning_ac.budget.choice import LayerFigures
+
+__all__ = ["LayerMeter", "LayerReading"]
+
+
+def _identity(tensor: Any) -> Any:
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own
+        return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+class _CountingHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that count what is saved and pass it on to the hooks in force when they were made.
+
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` is private, and present in every torch we support
+    (2.9.1 to 2.15): it is how torch's own checkpoint finds out whether hooks are in force.
+    """
+
+    def __init__(self, count: Callable[[torch.Tensor], None]) -> None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = top if top is not None else (_identity, _identity)
+
+        def counting_pack(tensor: torch.Tensor) -> Any:
+            count(tensor)
+            return pack(tensor)
+
+        super().__init__(counting_pack, unpack)
+
+
+@dataclass
+class LayerReading:
+    """What one decoder layer measured in one step.
+
+    Attributes:
+        saved_bytes: What its forward saved for backward through autograd's saved-tensor hooks (everything, when
+            it is recomputed whole or kept; under the save rules, what they do not keep).
+        input_bytes: Its input's.
+        input_saved_bytes: The part of ``saved_bytes`` that is its input.
+        rule_bytes: What the save rules keep (or would keep, in a call that ran without them).
+        forward_seconds: The forward call's time.
+        recompute_seconds: The recompute's time (in backward), if it was recomputed.
+        calls: Calls seen (forward, then recompute).
+    """
+
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    input_saved_bytes: int = 0
+    rule_bytes: int = 0
+    forward_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    calls: int = 0
+    counted: bool = False
+    under_rules: bool = False
+
+    def figures(self, input_held: bool, rules_held: bool, selective: bool) -> LayerFigures:
+        """As the planner takes them, from a step that recomputed the layer whole. ``input_held=False`` when
+        ``offload.hidden_states`` moves the input off the device (a recomputed layer then holds nothing there),
+        ``rules_held=False`` when ``offload.selective`` moves what the save rules keep; ``selective`` when the step
+        measured what they would keep (the selective time is measured later, in a step that runs them)."""
+        inputs = self.input_bytes if input_held else 0
+        return LayerFigures(
+            saved_bytes=self.saved_bytes,
+            input_bytes=inputs,
+            recompute_seconds=self.forward_seconds,
+            input_saved_bytes=self.input_saved_bytes if input_held else 0,
+            selective_bytes=inputs + (self.rule_bytes if rules_held else 0) if selective else None,
+        )
+
+
+class _Timer:
+    """Wall time on the CPU; device events on an accelerator, read once at the end of the step (a read waits for the
+    device, so it is not done per layer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: List[tuple] = []
+
+    def start(self) -> Any:
+        if self.device.type == "cpu":
+            return time.perf_counter()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started: Any, reading: LayerReading, field: str) -> None:
+        if self.device.type == "cpu":
+            setattr(reading, field, getattr(reading, field) + time.perf_counter() - started)
+            return
+        end = torch.Event(device=self.device, enable_timing=True)
+        end.record()
+        self._pending.append((started, end, reading, field))
+
+    def collect(self) -> None:
+        """Add the device time of every timed call to its reading."""
+        if self._pending:
+            self._pending[-1][1].synchronize()  # the last event recorded: every earlier one has completed too
+        for started, end, reading, field in self._pending:
+            setattr(reading, field, getattr(reading, field) + started.elapsed_time(end) / 1000.0)
+        self._pending = []
+
+
+class LayerMeter:
+    """Measures each decoder layer's calls while it is started (one step at a time).
+
+    Args:
+        layers: The decoder layers, in order.
+        device: The device the step computes on: only tensors there are counted.
+        dry_run: With ``selective`` set: the policy's :meth:`~lightning_ac.selective.policy.SelectivePolicy.dry_run`,
+            which adds up, in a call that runs without the save rules, what they would keep.
+        rule_bytes: With ``selective`` set: what the save rules kept in each layer's last forward under them.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        dry_run: Optional[Callable[[int], Any]] = None,
+        rule_bytes: Optional[Callable[[int], Optional[int]]] = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.device = device
+        self.dry_run = dry_run
+        self.rule_bytes = rule_bytes
+        self.dry = False  # run the policy's dry run in the calls without the save rules
+        self.active = False
+        self.readings: List[LayerReading] = []
+        self.tokens = 0
+        self._parameters: Set[int] = set()
+        self._timer = _Timer(device)
+
+    def start(self) -> None:
+        """Measure the calls from now on (until :meth:`stop`)."""
+        self.active = True
+        self.readings = [LayerReading() for _ in self.layers]
+        self.tokens = 0
+        # storages of parameters (re-read each time: layer offloading moves them between steps)
+        self._parameters = {
+            key
+            for layer in self.layers
+            for p in layer.parameters()
+            if (key := _storage_key(p)) is not None and p.device == self.device
+        }
+
+    def stop(self) -> List[LayerReading]:
+        """Stop measuring; each layer's reading of the calls since :meth:`start`."""
+        self._timer.collect()
+        for index, reading in enumerate(self.readings):
+            if reading.under_rules and self.rule_bytes is not None:
+                reading.rule_bytes = self.rule_bytes(index) or 0
+        self.active = False
+        return self.readings
+
+    def wrap(self, index: int, function: Callable[..., Any], under_rules: bool = False) -> Callable[..., Any]:
+        """``function`` (one call of layer ``index``, as its checkpoint function receives it), measured;
+        ``under_rules`` when the save rules apply to it."""
+        if not self.active:
+            return function
+        reading = self.readings[index]
+
+        def measured(*args: Any) -> Any:
+            reading.calls += 1
+            field = "forward_seconds" if reading.calls == 1 else "recompute_seconds"
+            # Count where the graph is built: the forward, or the recompute of a reentrant checkpoint (whose forward
+            # runs without grad); only once per step, not in the non-reentrant recompute too.
+            if not torch.is_grad_enabled() or reading.counted:
+                started = self._timer.start()
+                try:
+                    return function(*args)
+                finally:  # a recompute that stops early raises out of the function
+                    self._timer.stop(started, reading, field)
+            reading.counted = True
+            inputs = self._input_storages(args)
+            reading.input_bytes = sum(inputs.values())
+            seen: Set[int] = set()
+
+            def count(tensor: torch.Tensor) -> None:
+                if tensor.device != self.device or isinstance(tensor, nn.Parameter):
+                    return
+                if isinstance(getattr(tensor, "_base", None), nn.Parameter):
+                    return
+                key = _storage_key(tensor)
+                if key is None or key in seen or key in self._parameters:
+                    return
+                seen.add(key)
+                size = _nbytes(tensor)
+                reading.saved_bytes += size
+                if key in inputs:
+                    reading.input_saved_bytes += size
+
+            dry = self.dry_run(index) if self.dry and self.dry_run is not None and not under_rules else None
+            started = self._timer.start()
+            with _CountingHooks(count), dry if dry is not None else contextlib.nullcontext() as region:
+                out = function(*args)
+            self._timer.stop(started, reading, field)
+            if region is not None:
+                reading.rule_bytes = region.saved_bytes
+            reading.under_rules = under_rules  # what the rules kept is known once the checkpoint's call ends (stop)
+            return out
+
+        return measured
+
+    def note_tokens(self, args: Sequence[Any]) -> int:
+        """The tokens of a layer call (its first tensor argument's size without the last dim), kept as the most
+        seen while started."""
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        tokens = int(first.shape[:-1].numel()) if first is not None and first.dim() > 0 else 0
+        if self.active:
+            self.tokens = max(self.tokens, tokens)
+        return tokens
+
+    def _input_storages(self, args: Sequence[Any]) -> Dict[int, int]:
+        found: Dict[int, int] = {}
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.device == self.device and arg.is_floating_point():
+                key = _storage_key(arg)
+                if key is not None:
+                    found[key] = _nbytes(arg)
+        return found

@@ -1,0 +1,55 @@
+"""Each decoder layer's checkpoint function under a memory budget: the engines call it where they would call torch's
+checkpoint, and it does what the layer's current choice says.
+
+- keep: the layer's forward runs as it is, saving everything for backward (nothing recomputed);
+- selective: torch's checkpoint with the block's save rules (the engines' ``context_fn``);
+- recompute: torch's checkpoint without them: the whole layer is recomputed.
+
+The engines stay as they are (they checkpoint every layer, through these functions), and a choice can change from
+one step to the next without reinstalling anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from lightning_ac.budget.choice import Choice
+from lightning_ac.budget.measure import LayerMeter
+
+__all__ = ["LayerSwitch"]
+
+
+class LayerSwitch:
+    """The checkpoint function of decoder layer ``index``.
+
+    Args:
+        index: The layer's position among the decoder layers.
+        checkpoint_fn: The checkpoint function the plan would give the engines (torch's, or the hidden-state
+            offload's wrapper of it).
+        meter: Measures the layer's calls while started.
+        on_call: Called with the layer's index and inputs before the layer runs (the budget re-plans a step with
+            more tokens than any measured before its first layer runs).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        checkpoint_fn: Callable[..., Any],
+        meter: LayerMeter,
+        on_call: Optional[Callable[[int, tuple], None]] = None,
+    ) -> None:
+        self.index = index
+        self.checkpoint_fn = checkpoint_fn
+        self.meter = meter
+        self.on_call = on_call
+        self.choice = Choice.recompute
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.on_call is not None:
+            self.on_call(self.index, args)
+        if self.choice is Choice.keep:
+            return self.meter.wrap(self.index, function)(*args)
+        if self.choice is Choice.recompute:
+            kwargs.pop("context_fn", None)  # the save rules apply to selective layers only
+        measured = self.meter.wrap(self.index, function, under_rules="context_fn" in kwargs)
+        return self.checkpoint_fn(measured, *args, **kwargs)
