@@ -8,8 +8,9 @@ from typing import Any, Dict
 
 from omegaconf import OmegaConf
 
-from lightning_ac import ActivationCheckpointingConfig
-from lightning_ac.config import config_to_dict
+from lightning_ac import ActivationCheckpointingConfig, parse_config
+from lightning_ac.config import AUTO, config_to_dict
+from lightning_ac.offload.device import format_bytes
 
 OPTIONS = Path(__file__).resolve().parents[1] / "conf" / "activation_checkpointing"
 
@@ -22,9 +23,9 @@ def option_blocks() -> Dict[str, Dict[str, Any]]:
     for path in sorted(OPTIONS.glob("*.yaml")):
         raw = OmegaConf.load(path)
         raw.pop("defaults", None)
-        # merged over the schema, an option is already in the form config_to_dict gives a parsed block (the
-        # options are valid; the job parses the user's block once, and nothing else)
-        blocks[path.stem] = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
+        # merged over the schema and parsed, as the job parses the user's block (a budget's size becomes bytes)
+        merged = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
+        blocks[path.stem] = config_to_dict(parse_config(merged))
     return blocks
 
 
@@ -37,6 +38,10 @@ def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
     options = option_blocks()
     if not from_legacy_keys and options.get(choice) == resolved:
         return choice
+    budget = resolved.get("budget")
+    if budget is not None and choice in options and {**options[choice], "budget": budget} == resolved:
+        # a sweep over budgets: each job by its budget
+        return f"{choice} {AUTO if budget == AUTO else format_bytes(budget)}"
     match = next((name for name, option in options.items() if option == resolved), None)
     if match is not None:
         return match

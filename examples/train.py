@@ -36,6 +36,7 @@ from modes import mode_label  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
 
 from lightning_ac import (  # noqa: E402
+    ActivationCheckpointing,
     ActivationOffload,
     ConfigError,
     LayerOffload,
@@ -77,6 +78,7 @@ class BlockSchema:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     selective: Any = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    budget: Any = None
 
 
 # Every activation_checkpointing option extends this schema, so any field can be overridden on any option.
@@ -182,6 +184,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         "layer_offloading": bool(data.get("layer_offloading", False)),
         "layer_offloading_resident_layers": data.get("layer_offloading_resident_layers", 0),
         "offload": next((cb.last_step for cb in callbacks if isinstance(cb, ActivationOffload)), None),
+        "budget": next((cb.budget_plan for cb in callbacks if isinstance(cb, ActivationCheckpointing)), None),
         "layer_offload": next((cb.last_step for cb in callbacks if isinstance(cb, LayerOffload)), None),
         "steps": trainer.global_step,
         "first_loss": metrics.losses[0] if metrics.losses else None,

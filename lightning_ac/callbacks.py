@@ -111,10 +111,14 @@ class SuiteCallback(Callback):
     ) -> None:
         if self._is_first() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+        if self._is_first() and self._plan is not None and self._plan.budget is not None:
+            self._plan.budget.begin_step(pl_module, trainer.optimizers)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
             self._plan.verifier.check_loss(trainer, pl_module, loss)
+        if self._is_first() and self._plan is not None and self._plan.budget is not None:
+            self._plan.budget.before_backward()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
@@ -205,7 +209,8 @@ class ActivationCheckpointing(SuiteCallback):
             budget=budget,
         )
         self._init_output(verbose, prog_bar)
-        self._budget_state: Optional[Dict[str, Any]] = None
+        self._budget_state: Optional[Dict[str, Any]] = None  # a checkpoint's settled plan, until this run takes it
+        self._budget_summary: Optional[Dict[str, Any]] = None
 
     @classmethod
     def _from_request(cls, request: CheckpointingRequest, verbose: bool = False) -> ActivationCheckpointing:
@@ -213,7 +218,7 @@ class ActivationCheckpointing(SuiteCallback):
         callback = cls.__new__(cls)
         callback.request = request
         callback._init_output(verbose, False)
-        callback._budget_state = None
+        callback._budget_state = callback._budget_summary = None
         return callback
 
     @property
@@ -235,6 +240,21 @@ class ActivationCheckpointing(SuiteCallback):
         if budget is not None and budget.settled:
             state["budget_plan"] = budget.state_dict()
         return state
+
+    @property
+    def budget_plan(self) -> Optional[Dict[str, Any]]:
+        """With ``budget`` set: the plan of the latest run (per layer choices, estimated and measured peaks, its line),
+        kept after the run ends; ``None`` before any run or without a budget."""
+        budget = self._plan.budget if self._plan is not None else None
+        return budget.summary() if budget is not None else self._budget_summary
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        budget = self._plan.budget if self._plan is not None else None
+        if budget is not None:
+            self._budget_summary = budget.summary()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -352,7 +352,9 @@ class Plan:
 
         - the offload runtime's step starts (``offload.all``'s saved-tensor hooks); it ends at
           ``on_train_batch_end``, after backward and the optimizer step;
-        - the memory budget's step starts (its measurements), and ends there too;
+        - the memory budget counts what the step saves outside the decoder layers, while it measures (its step itself
+          starts at ``on_train_batch_start``, as the memory measurements of the benchmark do: MemTracker's module
+          hooks must see the wrapped module's whole forward under DDP);
         - in verify mode, the reference pass runs first, on the same arguments.
         """
         module, runtime, verifier, budget = self.module, self.activation_offload, self.verifier, self.budget
@@ -364,8 +366,9 @@ class Plan:
         def step(*args: Any, **kwargs: Any) -> Any:
             if runtime is not None and not runtime.in_step:  # a closure an optimizer calls again (LBFGS): same step
                 runtime.start_step()
-            if budget is not None and not budget.in_step:
-                budget.begin_step(module, trainer.optimizers)
+            if budget is not None:
+                with budget.meter.outside(module):  # what the step saves outside the layers, while measuring
+                    return original(*args, **kwargs)
             return original(*args, **kwargs)
 
         @functools.wraps(original)

@@ -214,3 +214,15 @@ def _capture_suite_log(caplog):
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def shard_once(module: pl.LightningModule) -> None:
+    """FSDP2 in ``configure_model``: ``fully_shard`` each decoder layer and then the model, once per module."""
+    from torch.distributed.fsdp import fully_shard
+
+    if getattr(module, "_sharded", False):
+        return
+    module._sharded = True
+    for layer in module.model.model.layers:
+        fully_shard(layer, mesh=module.device_mesh["data_parallel"])
+    fully_shard(module.model, mesh=module.device_mesh["data_parallel"])

@@ -324,3 +324,35 @@ def test_the_sweep_plot_labels_each_bar_with_its_value(tmp_path):
     drawn = _plot(rows, tmp_path / "plot.png")
     assert drawn == ["3.0 MiB", "not measured", "250.0 ms", "not measured"]
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_a_sweep_over_budgets(tmp_path):
+    # far below full's peak (every layer recomputed, with a warning) and far above off's (nothing recomputed)
+    result = ok(
+        train(tmp_path, "activation_checkpointing=budget", "activation_checkpointing.budget=1KiB,1GiB", multirun=True)
+    )
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "sweep_summary.csv")))
+    assert [r["mode"] for r in rows] == ["budget 1.00 KiB", "budget 1.00 GiB"]
+    assert len({r["final_loss"] for r in rows}) == 1, "every budget trains the same"
+    low, high = (json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())["budget"] for i in (0, 1))
+    assert low["choices"] == ["recompute"] * 2 and high["choices"] == ["keep"] * 2
+    assert low["settled"] and high["settled"] and high["measured_peak_bytes"] <= 2**30
+    assert re.search(r"budget 1\.00 GiB: keeping 2/2 decoder layers, recomputing 0", result.stdout + result.stderr)
+    assert "over the budget; training goes on recomputing every layer" in result.stdout + result.stderr
+    assert float(rows[0]["peak_activation_bytes"]) < float(rows[1]["peak_activation_bytes"])
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("activation_checkpointing.budget=lots", ["activation_checkpointing.budget", "'lots'", "GiB", "auto"]),
+        ("activation_checkpointing.budget=auto", ["budget: auto", "CUDA", "runs on cpu"]),
+        ("+activation_checkpointing.kwargs.every_n_layers=2", ["every_n_layers: 2", "remove budget"]),
+    ],
+)
+def test_bad_budgets_stop_before_training(tmp_path, override, words):
+    result = train(tmp_path, "activation_checkpointing=budget", override)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "step    1" not in result.stdout + result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr[-1500:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,17 @@ def test_fsdp2_implementation_and_selective_under_fully_shard(tmp_path):
     logs = result.stdout + result.stderr
     assert "checkpointing 4/4 decoder layers (fsdp, non-reentrant)" in logs
     assert "checkpointing 4/4 decoder layers (fsdp, non-reentrant, selective: save attention)" in logs
+
+
+def test_budget_picks_one_plan_on_every_rank_under_ddp_and_fsdp2(tmp_path):
+    result, rows = run_two_ranks("budget_parity.py", tmp_path)
+    assert sorted((r["mode"], r["rank"]) for r in rows) == sorted((m, rank) for m in ("ddp", "fsdp") for rank in (0, 1))
+    for mode in ("ddp", "fsdp"):
+        ranks = [r for r in rows if r["mode"] == mode]
+        assert ranks[0]["choices"] == ranks[1]["choices"], "the ranks' figures were reduced before choosing"
+        assert "keep" in ranks[0]["choices"] and "recompute" in ranks[0]["choices"], ranks[0]
+        for row in ranks:
+            assert row["same"], f"{mode}: losses and gradients match an unmodified run at every step"
+            assert row["settled"] and row["peak"] <= row["budget"], row
+    # one line per run, from rank zero
+    assert len(re.findall(r"lightning_ac: budget [\d.]+ [KM]iB: keeping", result.stdout + result.stderr)) == 2

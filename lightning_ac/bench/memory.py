@@ -47,6 +47,7 @@ class _StepMeasurement:
         self.modules, self.optimizers = modules, optimizers
         self._tracker: Any = None
         self._baseline = 0
+        self._earlier = 0  # the peak before restart_peak
         self.result: Optional[MemoryPeak] = None
 
     def __enter__(self) -> _StepMeasurement:
@@ -60,23 +61,47 @@ class _StepMeasurement:
             self._tracker.__enter__()
         return self
 
+    def peak_so_far(self) -> int:
+        """The activation peak since the measurement started, or since :meth:`restart_peak`."""
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self._baseline)
+        return _activation_peak(self._tracker)
+
+    def restart_peak(self) -> None:
+        """From now on :meth:`peak_so_far` reads the peak of what follows (the memory budget: the output head's
+        backward alone); the result at exit is still the whole measurement's peak."""
+        self._earlier = max(self._earlier, self.peak_so_far())
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        tracker = self._tracker
+        if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap"):  # MemTracker's private records
+            tracker._peak_mem = {}
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
-            self.result = MemoryPeak(peak, max(0, peak - self._baseline), "cuda_allocator")
+            activation = max(0, peak - self._baseline, self._earlier)
+            self.result = MemoryPeak(max(peak, self._baseline + self._earlier), activation, "cuda_allocator")
             return
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(*exc)
         if exc[0] is not None:
             return
-        peaks: Dict[Any, int] = {}
-        for stats in tracker.get_tracker_snapshot("peak").values():
-            for category, value in stats.items():
-                name = getattr(category, "value", category)
-                peaks[name] = peaks.get(name, 0) + int(value)
-        activation = peaks.get("Activation", 0) + peaks.get("Temp", 0)
+        activation = max(_activation_peak(tracker), self._earlier)
         self.result = MemoryPeak(activation, activation, "mem_tracker")
+
+
+def _activation_peak(tracker: Any) -> int:
+    """MemTracker's activation peak: the activation and temporary peaks, over the devices."""
+    peaks: Dict[Any, int] = {}
+    for stats in tracker.get_tracker_snapshot("peak").values():
+        for category, value in stats.items():
+            name = getattr(category, "value", category)
+            peaks[name] = peaks.get(name, 0) + int(value)
+    return peaks.get("Activation", 0) + peaks.get("Temp", 0)
 
 
 def _tracker_class() -> type:

@@ -135,6 +135,10 @@ def choose(
     """
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    everything = tuple(Choice.keep for _ in layers)
+    peak, _ = estimate(layers, everything, outside_bytes, head_bytes)
+    if peak <= budget_bytes:  # the optimum whenever it fits, checked exactly (the programme's rounding could miss it)
+        return LayerPlan(everything, peak, 0.0, fits=True)
     quantum = max(1, math.ceil(budget_bytes / resolution))
 
     def units(nbytes: int) -> int:

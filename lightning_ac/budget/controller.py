@@ -45,6 +45,9 @@ AUTO_MARGIN = 0.10
 MAX_CORRECTIONS = 4
 # A correction aims this fraction of the budget below it, so that step-to-step noise does not cross it again.
 SLACK = 0.01
+# The output head's working set at its backward, as a multiple of what it saves: the saved tensors (the logits'
+# log-softmax, the head's input) and, as its backward runs, gradients of the same sizes.
+HEAD_FACTOR = 2
 # Before the save rules have run in a layer, their time is guessed at this fraction of a whole recompute: low enough
 # that they are tried wherever they fit, and measured in the step that runs them.
 SELECTIVE_GUESS = 0.5
@@ -107,6 +110,8 @@ class BudgetController:
         self.on_change = on_change
         self.figures: Optional[List[LayerFigures]] = None
         self.tokens = 0  # the tokens per step the figures hold for
+        self.outside_bytes = 0  # saved outside the layers before the last one ran: held through their backward
+        self.head_bytes = 0  # the output head's working set at its backward (what it saves, and its gradients)
         self.calibration = 0  # measured peak less the figures' estimate: what they do not see
         self.plan: Optional[LayerPlan] = None
         self.full_seconds = 0.0  # the estimated recompute time of every layer recomputed
@@ -118,7 +123,8 @@ class BudgetController:
         self._measurement: Any = None
         self._first_call = False
         self._rescaled_from: Optional[List[LayerFigures]] = None
-        self._floor = -(2**62)  # the calibration's lower bound, raised by every step over the budget
+        self._over: set = set()  # the choices measured over the budget
+        self._head_peak: Optional[int] = None  # the measuring step's peak when backward reached the layers
         self._measured: Dict[tuple, int] = {}  # the peak each measured choice had
 
     # -- what the plan asks -----------------------------------------------------------------------------------
@@ -135,12 +141,14 @@ class BudgetController:
     def estimated_peak(self) -> Optional[int]:
         if self.figures is None:
             return None
-        return estimate(self.figures, self.choices, self.calibration)[0]
+        return self._estimate(self.choices, self.calibration)[0]
 
     def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """At a training step's start (every micro-batch: each has its own forward and backward)."""
         from lightning_ac.bench.memory import measure_step  # the benchmark's measurement: the same peak it reports
 
+        if self.in_step:  # the last one never ended: the LightningModule skipped it (on_train_batch_start gave -1)
+            self.abort_step()
         self.in_step, self._first_call = True, True
         if self.budget_bytes is None:
             self.budget_bytes = self._auto_budget()
@@ -148,12 +156,24 @@ class BudgetController:
             self._set([Choice.recompute] * len(self.switches))
             self.meter.dry = self.policy is not None
             self.meter.start()
+            self.meter.on_first_recompute = self._read_head_peak
         elif self._trying_rules():
             self.meter.dry = False
             self.meter.start()
         if self.phase != _SETTLED or self.device.type == "cuda":
             self._measurement = measure_step([module], list(optimizers), self.device)
             self._measurement.__enter__()
+
+    def before_backward(self) -> None:
+        """At backward's start, in the measuring step: the peak from here to the layers is the output head's."""
+        if self.phase == _MEASURE and self._measurement is not None and self.in_step:
+            self._measurement.restart_peak()
+
+    def _read_head_peak(self) -> None:
+        """When backward reaches the layers in the measuring step: the peak since backward started is the output
+        head's (every layer's input held)."""
+        if self._measurement is not None:
+            self._head_peak = self._measurement.peak_so_far()
 
     def end_step(self) -> None:
         """At a training step's end: take the measurements, and choose again where they say so."""
@@ -171,7 +191,9 @@ class BudgetController:
         self.measured_peak = peak if peak is not None else self.measured_peak
         if self.phase == _MEASURE:
             assert readings is not None and peak is not None
+            self.meter.on_first_recompute = None
             self._take_figures(readings)
+            self._split_head(peak)
             self.full_seconds = sum(f.recompute_seconds for f in self.figures or [])
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
             self._check(peak, first=True)
@@ -201,6 +223,8 @@ class BudgetController:
             "layers": len(self.switches),
             "tokens": self.tokens,
             "calibration": self.calibration,
+            "outside_bytes": self.outside_bytes,
+            "head_bytes": self.head_bytes,
             "full_seconds": self.full_seconds,
             "figures": [dataclasses.asdict(f) for f in self.figures] if self.figures is not None else None,
             "choices": [c.value for c in self.choices],
@@ -223,6 +247,7 @@ class BudgetController:
         self.figures = [LayerFigures(**f) for f in state["figures"]]
         self.tokens = int(state["tokens"])
         self.calibration = int(state["calibration"])
+        self.outside_bytes, self.head_bytes = int(state["outside_bytes"]), int(state["head_bytes"])
         self.full_seconds = float(state["full_seconds"])
         self._set([Choice(c) for c in state["choices"]])
         self.phase = _SETTLED
@@ -246,6 +271,7 @@ class BudgetController:
         self._rescaled_from = self.figures
         self.figures = [_scaled(f, ratio) for f in self.figures]
         self.calibration = int(self.calibration * ratio)
+        self.outside_bytes, self.head_bytes = int(self.outside_bytes * ratio), int(self.head_bytes * ratio)
         self.tokens = tokens
         self._choose()
         if not self.meter.active:
@@ -277,7 +303,25 @@ class BudgetController:
             figures = [dataclasses.replace(f, selective_seconds=SELECTIVE_GUESS * f.recompute_seconds) for f in figures]
             self.selective_measured = [False] * len(figures)
         self.figures = figures
-        self.tokens = int(self._agree([self.meter.tokens])[0])
+        tokens, outside, head = self._agree([self.meter.tokens, self.meter.outside_bytes, self.meter.head_bytes])
+        self.tokens, self.outside_bytes = int(tokens), int(outside)
+        self.head_bytes = int(HEAD_FACTOR * head)
+
+    def _split_head(self, peak: int) -> None:
+        """From the measuring step (every layer recomputed): the output head's working set is the peak of backward
+        until it reached the layers, less what was held then (every layer's input, and what was saved outside them);
+        the layers' positions take what their figures do not see from the step's peak, where it is theirs."""
+        assert self.figures is not None
+        head_peak = self._head_peak
+        self._head_peak = None
+        if head_peak is None:
+            return  # no recompute reached (a step without backward): the head's saved bytes stand
+        head_peak = int(self._agree([head_peak])[0])
+        everything = [Choice.recompute] * len(self.figures)
+        held = self.outside_bytes + sum(f.input_bytes for f in self.figures)
+        layers_peak = estimate(self.figures, everything, self.outside_bytes, 0)[0]  # without the head
+        layer_extra = max(0, peak - layers_peak) if peak > head_peak else 0
+        self.head_bytes = max(0, head_peak - held - layer_extra)
 
     def _trying_rules(self) -> bool:
         """Whether this step runs the save rules in a layer whose selective figures are still a guess."""
@@ -339,35 +383,34 @@ class BudgetController:
         """A measured step under the current choices: calibrate on it, choose again, and settle once the choice
         stays the same and its peak is under the budget.
 
-        The first step is not held against later ones: it also allocates what only a first step does (gradients
-        that did not exist yet, an accelerator library's workspace), so its excess neither raises the calibration's
-        floor nor ends the run's search with a warning."""
+        A choice measured over the budget is never chosen again (else the loop could go back to it); the first step
+        is not held against later ones, as it also allocates what only a first step does (gradients that did not
+        exist yet, an accelerator library's workspace)."""
         assert self.budget_bytes is not None and self.figures is not None
         budget, choices = self.budget_bytes, self.choices
         if self.settled and peak <= budget:
             return  # CUDA reads every step: a settled plan under the budget stays
-        unseen = peak - estimate(self.figures, choices)[0]  # what the figures do not see, in this step
         over = peak > budget
-        if over and not first:  # never calibrate below a step that went over (else the loop could go back to it)
-            self._floor = max(self._floor, unseen + int(SLACK * budget))
+        if over and not first:
+            self._over.add(tuple(choices))
         self._measured[tuple(choices)] = peak
-        self.calibration = max(self._floor, unseen)
-        everything = all(c is Choice.recompute for c in choices)
-        if over and everything and not first:
+        # what the figures do not see, in this step; over the budget, a little more, so the next choice moves away
+        self.calibration = peak - self._estimate(choices, 0)[0] + (int(SLACK * budget) if over else 0)
+        everything = [Choice.recompute] * len(choices)
+        if over and choices == everything and not first:
             self._settle()
             self._warn_over(peak, "with every layer recomputed")
             return
-        plan = choose(self.figures, budget, outside_bytes=self.calibration)
+        plan = self._choose_new()
         if not over and list(plan.choices) == choices:
             self.plan = plan
             self._settle()
             return
         self.corrections += 1
-        if self.corrections > MAX_CORRECTIONS:  # it did not converge: the fastest plan measured under the budget
+        if self.corrections > MAX_CORRECTIONS:  # it did not converge: the fastest choice measured under the budget
             under = [c for c, p in self._measured.items() if p <= budget]
-            seconds = {c: estimate(self.figures, c)[1] for c in under}
-            best = min(under, key=lambda c: seconds[c]) if under else None
-            self._set(list(best) if best else [Choice.recompute] * len(choices))
+            best = min(under, key=lambda c: estimate(self.figures or [], c)[1]) if under else tuple(everything)
+            self._set(list(best))
             self._settle()
             return
         if over and list(plan.choices) != choices:
@@ -379,12 +422,33 @@ class BudgetController:
         self._set(list(plan.choices))
         self.phase = _CHECK
 
+    def _choose_new(self) -> LayerPlan:
+        """The choice for the current calibration, raised a slack at a time past the choices measured over."""
+        assert self.budget_bytes is not None and self.figures is not None
+        calibration = self.calibration
+        for _ in range(len(self.switches) * 4 + 1):
+            plan = self._plan(calibration)
+            if tuple(plan.choices) not in self._over or not plan.fits:
+                return plan
+            calibration += max(1, int(SLACK * self.budget_bytes))
+        return self._plan(10 * self.budget_bytes)  # nothing fits: every layer recomputed
+
     def _choose(self) -> None:
         """Choose from the figures and the calibration; the next measured step checks the choice."""
         assert self.budget_bytes is not None and self.figures is not None
-        self.plan = choose(self.figures, self.budget_bytes, outside_bytes=self.calibration)
+        self.plan = self._plan(self.calibration)
         self._set(list(self.plan.choices))
         self.phase = _CHECK
+
+    def _estimate(self, choices: Sequence[Choice], calibration: int) -> tuple:
+        """The estimated peak and recompute time of ``choices``: the layers' figures, what is saved outside them and
+        in the head, and ``calibration``."""
+        assert self.figures is not None
+        return estimate(self.figures, choices, self.outside_bytes + calibration, self.head_bytes)
+
+    def _plan(self, calibration: int) -> LayerPlan:
+        assert self.figures is not None and self.budget_bytes is not None
+        return choose(self.figures, self.budget_bytes, self.outside_bytes + calibration, self.head_bytes)
 
     def _settle(self) -> None:
         if self.phase != _SETTLED:

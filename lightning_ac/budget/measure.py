@@ -3,16 +3,18 @@ input, and the time its forward takes (a recompute runs the forward once more).
 
 Saved bytes are counted where autograd saves them: a saved-tensor hook pushed inside the layer's call counts each
 tensor and hands it on to the hooks that were in force (torch's checkpoint packs it into its frame and drops it, so
-the count costs no memory). Parameters, and views of them, are not activations and are left out; a tensor saved
-twice, or two views of one storage, count once.
+the count costs no memory). Parameters, and views of them, are not activations and are left out; a storage saved
+twice in a step (two views of it, or the rotary tables every layer saves) counts once. Storages are told apart by
+address and a weak reference: the allocator hands a dropped tensor's address to the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -31,6 +33,38 @@ def _storage_key(tensor: torch.Tensor) -> Optional[int]:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own
         return None
+
+
+def _bound_tensors(function: Callable[..., Any]) -> List[torch.Tensor]:
+    """The tensors bound into a layer call's ``functools.partial`` (its keyword arguments), tuples included."""
+    found: List[torch.Tensor] = []
+    values = list(getattr(function, "keywords", {}).values()) + list(getattr(function, "args", ()))
+    while values:
+        value = values.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            values.extend(value)
+    return found
+
+
+class _Storages:
+    """The storages seen in a step, by address, each with a weak reference that tells a reused address apart."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[int, Any] = {}
+
+    def first_sight(self, tensor: torch.Tensor) -> Optional[int]:
+        """The storage's address if it was not seen alive before, else ``None``."""
+        key = _storage_key(tensor)
+        if key is None:
+            return None
+        storage = tensor.untyped_storage()
+        known = self._seen.get(key)
+        if known is not None and known() is storage:
+            return None
+        self._seen[key] = weakref.ref(storage)
+        return key
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -153,6 +187,13 @@ class LayerMeter:
         self.dry_run = dry_run
         self.rule_bytes = rule_bytes
         self.dry = False  # run the policy's dry run in the calls without the save rules
+        # called once a step, when backward reaches the layers (the first recompute): the output head's backward is
+        # done by then
+        self.on_first_recompute: Optional[Callable[[], None]] = None
+        self._recomputed = False
+        self.outside_bytes = 0
+        self.head_bytes = 0
+        self._depth = 0
         self.active = False
         self.readings: List[LayerReading] = []
         self.tokens = 0
@@ -164,6 +205,11 @@ class LayerMeter:
         self.active = True
         self.readings = [LayerReading() for _ in self.layers]
         self.tokens = 0
+        self.outside_bytes = 0
+        self.head_bytes = 0
+        self._depth = 0
+        self._recomputed = False
+        self._storages = _Storages()
         # storages of parameters (re-read each time: layer offloading moves them between steps)
         self._parameters = {
             key
@@ -181,6 +227,32 @@ class LayerMeter:
         self.active = False
         return self.readings
 
+    @contextlib.contextmanager
+    def outside(self, root: nn.Module) -> Iterator[None]:
+        """Around a training step's forward, while started: counts what is saved outside the decoder layers, before
+        the last one has run (``outside_bytes``: the embeddings', held through every layer's backward) and after it
+        (``head_bytes``: the output head's and the loss's, held until their backward)."""
+        if not self.active:
+            yield
+            return
+        parameters = {key for p in root.parameters() if (key := _storage_key(p)) is not None}
+        last = self.readings[-1] if self.readings else None
+
+        def count(tensor: torch.Tensor) -> None:
+            if self._depth or tensor.device != self.device or isinstance(tensor, nn.Parameter):
+                return  # inside a layer (its own count sees it), or not an activation
+            if isinstance(getattr(tensor, "_base", None), nn.Parameter) or _storage_key(tensor) in parameters:
+                return
+            if self._storages.first_sight(tensor) is None:
+                return
+            if last is not None and last.calls:
+                self.head_bytes += _nbytes(tensor)
+            else:
+                self.outside_bytes += _nbytes(tensor)
+
+        with _CountingHooks(count):
+            yield
+
     def wrap(self, index: int, function: Callable[..., Any], under_rules: bool = False) -> Callable[..., Any]:
         """``function`` (one call of layer ``index``, as its checkpoint function receives it), measured;
         ``under_rules`` when the save rules apply to it."""
@@ -191,44 +263,63 @@ class LayerMeter:
         def measured(*args: Any) -> Any:
             reading.calls += 1
             field = "forward_seconds" if reading.calls == 1 else "recompute_seconds"
+            if field == "recompute_seconds" and not self._recomputed:
+                self._recomputed = True
+                if self.on_first_recompute is not None:
+                    self.on_first_recompute()
             # Count where the graph is built: the forward, or the recompute of a reentrant checkpoint (whose forward
             # runs without grad); only once per step, not in the non-reentrant recompute too.
-            if not torch.is_grad_enabled() or reading.counted:
-                started = self._timer.start()
-                try:
-                    return function(*args)
-                finally:  # a recompute that stops early raises out of the function
-                    self._timer.stop(started, reading, field)
-            reading.counted = True
-            inputs = self._input_storages(args)
-            reading.input_bytes = sum(inputs.values())
-            seen: Set[int] = set()
-
-            def count(tensor: torch.Tensor) -> None:
-                if tensor.device != self.device or isinstance(tensor, nn.Parameter):
-                    return
-                if isinstance(getattr(tensor, "_base", None), nn.Parameter):
-                    return
-                key = _storage_key(tensor)
-                if key is None or key in seen or key in self._parameters:
-                    return
-                seen.add(key)
-                size = _nbytes(tensor)
-                reading.saved_bytes += size
-                if key in inputs:
-                    reading.input_saved_bytes += size
-
-            dry = self.dry_run(index) if self.dry and self.dry_run is not None and not under_rules else None
-            started = self._timer.start()
-            with _CountingHooks(count), dry if dry is not None else contextlib.nullcontext() as region:
-                out = function(*args)
-            self._timer.stop(started, reading, field)
-            if region is not None:
-                reading.rule_bytes = region.saved_bytes
-            reading.under_rules = under_rules  # what the rules kept is known once the checkpoint's call ends (stop)
-            return out
+            return self._measured_call(index, reading, function, args, field, under_rules)
 
         return measured
+
+    @contextlib.contextmanager
+    def in_layer(self) -> Iterator[None]:
+        """Around a layer's whole call (its checkpoint included, which saves the layer's input for the recompute):
+        what is saved there is the layer's, not the step's outside the layers."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def _measured_call(
+        self, index: int, reading: LayerReading, function: Callable[..., Any], args: tuple, field: str, rules: bool
+    ) -> Any:
+        if not torch.is_grad_enabled() or reading.counted:
+            started = self._timer.start()
+            try:
+                return function(*args)
+            finally:  # a recompute that stops early raises out of the function
+                self._timer.stop(started, reading, field)
+        reading.counted = True
+        inputs = self._input_storages(args)
+        reading.input_bytes = sum(inputs.values())
+        for tensor in _bound_tensors(function):  # held by the call either way (the rotary tables, the mask)
+            self._storages.first_sight(tensor)
+
+        def count(tensor: torch.Tensor) -> None:
+            if tensor.device != self.device or isinstance(tensor, nn.Parameter):
+                return
+            if isinstance(getattr(tensor, "_base", None), nn.Parameter) or _storage_key(tensor) in self._parameters:
+                return
+            key = self._storages.first_sight(tensor)
+            if key is None:
+                return
+            size = _nbytes(tensor)
+            reading.saved_bytes += size
+            if key in inputs:
+                reading.input_saved_bytes += size
+
+        dry = self.dry_run(index) if self.dry and self.dry_run is not None and not rules else None
+        started = self._timer.start()
+        with _CountingHooks(count), dry if dry is not None else contextlib.nullcontext() as region:
+            out = function(*args)
+        self._timer.stop(started, reading, field)
+        if region is not None:
+            reading.rule_bytes = region.saved_bytes
+        reading.under_rules = rules  # what the rules kept is known once the checkpoint's call ends (stop)
+        return out
 
     def note_tokens(self, args: Sequence[Any]) -> int:
         """The tokens of a layer call (its first tensor argument's size without the last dim), kept as the most

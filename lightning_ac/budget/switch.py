@@ -47,9 +47,10 @@ class LayerSwitch:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.on_call is not None:
             self.on_call(self.index, args)
-        if self.choice is Choice.keep:
-            return self.meter.wrap(self.index, function)(*args)
-        if self.choice is Choice.recompute:
-            kwargs.pop("context_fn", None)  # the save rules apply to selective layers only
-        measured = self.meter.wrap(self.index, function, under_rules="context_fn" in kwargs)
-        return self.checkpoint_fn(measured, *args, **kwargs)
+        with self.meter.in_layer():
+            if self.choice is Choice.keep:
+                return self.meter.wrap(self.index, function)(*args)
+            if self.choice is Choice.recompute:
+                kwargs.pop("context_fn", None)  # the save rules apply to selective layers only
+            measured = self.meter.wrap(self.index, function, under_rules="context_fn" in kwargs)
+            return self.checkpoint_fn(measured, *args, **kwargs)

@@ -12,23 +12,17 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import LM, batches, clone, tiny_model  # noqa: E402
+from conftest import LM, batches, clone, shard_once, tiny_model  # noqa: E402
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload  # noqa: E402
 
 
 class ShardedLM(LM):
     def configure_model(self):
-        if getattr(self, "_sharded", False):
-            return
-        self._sharded = True
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
-        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+        shard_once(self)
 
     def on_after_backward(self):
         if self.grads is None:  # gather the sharded gradients; the parent then only stops the op counter

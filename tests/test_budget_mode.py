@@ -1,0 +1,386 @@
+"""The memory budget in a real Trainer: bit-exact at every step, recompute counted with a TorchDispatchMode, the peak
+measured with MemTracker (the benchmark's StepMetrics, apart from the budget's own measurements)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import LM, VOCAB, OpCounter, clone, make_trainer, model_fingerprint, tiny_model
+
+from lightning_ac import (
+    ActivationCheckpointing,
+    ActivationOffload,
+    ConfigError,
+    LayerOffload,
+    LightningACWarning,
+    callbacks_from_config,
+    parse_config,
+)
+from lightning_ac.bench.memory import StepMetrics
+from lightning_ac.budget import Choice
+from lightning_ac.budget.measure import LayerReading
+
+STEPS = 5
+MM = "aten.mm"
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
+LINE = re.compile(
+    r"budget [\d.]+ [KMG]iB: keeping (\d)/4 decoder layers, (?:selective in (\d), )?recomputing (\d) "
+    r"\(estimated peak [\d.]+ [KMG]iB, measured [\d.]+ [KMG]iB; recompute \d+% of full's\)"
+)
+
+
+class StepLM(LM):
+    """Records the loss, the gradients and the backward's op counts of every step. The gradients are copied in the
+    module's ``on_train_batch_end``, which Lightning calls after the callbacks': outside the memory measurements."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 0.1) -> None:
+        super().__init__(model, lr)
+        self.step_grads: List[Dict[str, torch.Tensor]] = []
+        self.step_ops: List[Counter] = []
+
+    def on_before_backward(self, loss):
+        self._counter = OpCounter()
+        self._counter.__enter__()
+
+    def on_after_backward(self):
+        self._counter.__exit__(None, None, None)
+        self.step_ops.append(self._counter.counts)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
+
+
+def loader(seqs=(32,) * 4, seed: int = 1) -> torch.utils.data.DataLoader:
+    """Batches of 2 sequences, of the given lengths, in order."""
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randint(0, VOCAB, (2, seq), generator=g),) for seq in seqs]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+class Controller(pl.Callback):
+    """Keeps the run's budget controller (the plan lets go of it at teardown) and its choices at each step's end."""
+
+    def __init__(self) -> None:
+        self.budget: Any = None
+        self.choices: List[List[Choice]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+        self.budget = cb.plan.budget
+        self.choices.append(list(self.budget.choices))
+
+
+def train(base, callbacks=(), steps: int = STEPS, data=None, measure_step: int = STEPS - 1, **kwargs):
+    """A run of ``steps`` steps; the StepMetrics peak of ``measure_step`` (after the budget settled)."""
+    module = StepLM(clone(base))
+    metrics = StepMetrics(measure_step=measure_step, warmup_steps=0)
+    probe = Controller()
+    has_budget = any(isinstance(c, ActivationCheckpointing) and c.config.budget is not None for c in callbacks)
+    trainer = make_trainer([*callbacks, metrics, *([probe] if has_budget else [])], max_steps=steps, **kwargs)
+    trainer.fit(module, data if data is not None else loader())
+    return module, metrics.peak.activation_bytes if metrics.peak else None, probe, trainer
+
+
+def assert_exact(reference: StepLM, run: StepLM) -> None:
+    """Same losses and bit-identical gradients at every step (of the run: the reference may have run longer)."""
+    steps = len(run.losses)
+    assert reference.losses[:steps] == run.losses and len(reference.step_grads) >= steps
+    for step, (expected, got) in enumerate(zip(reference.step_grads, run.step_grads)):
+        assert expected.keys() == got.keys()
+        for name, grad in expected.items():
+            assert torch.equal(grad, got[name]), f"step {step}: {name}"
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The base model, the unmodified run, and the activation peaks of off and full."""
+    base = tiny_model("llama")
+    off, off_peak, _, _ = train(base, steps=STEPS + 1)
+    full, full_peak, _, _ = train(base, [ActivationCheckpointing()])
+    assert full_peak < off_peak
+    return {"base": base, "off": off, "off_peak": off_peak, "full": full, "full_peak": full_peak}
+
+
+def between(refs, fraction: float) -> int:
+    return int(refs["full_peak"] + fraction * (refs["off_peak"] - refs["full_peak"]))
+
+
+def recomputed(choices) -> int:
+    return sum(c is not Choice.keep for c in choices)
+
+
+# -- the field ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(2**20, 2**20), ("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("20GB", 20 * 10**9), ("300 MB", 300 * 10**6)],
+)
+def test_budget_values(value, expected):
+    assert parse_config({"budget": value}).budget == expected
+    assert ActivationCheckpointing(budget=value).config.budget == expected
+    assert parse_config({"budget": "AUTO"}).budget == "auto"
+
+
+@pytest.mark.parametrize("value", [0, -5, True, 1.5, "12", "12 parsecs", "lots", [1]])
+def test_rejected_budgets_name_the_field_the_value_and_the_fix(value):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"budget": value})
+    message = str(err.value)
+    assert message.startswith("activation_checkpointing.budget: expected a size") and repr(value) in message
+    assert "auto" in message and "GiB" in message
+    with pytest.raises(ConfigError, match=r"ActivationCheckpointing\(budget=\.\.\.\)"):
+        ActivationCheckpointing(budget=value)
+
+
+def test_budget_with_enabled_false_or_every_n_layers_is_an_error():
+    with pytest.raises(ConfigError, match="enabled is false.*budget is set.*remove budget"):
+        parse_config({"enabled": False, "budget": "1GiB"})
+    with pytest.raises(ConfigError, match="budget.*chooses which decoder layers.*every_n_layers: 2"):
+        parse_config({"budget": "1GiB", "kwargs": {"every_n_layers": 2}})
+    with pytest.raises(ConfigError, match="every_n_layers"):
+        ActivationCheckpointing(budget="1GiB", kwargs={"every_n_layers": 2})
+    # with everything else in the block it composes
+    cfg = parse_config({"budget": "1GiB", "selective": True, "reentrant": False, "offload": {"hidden_states": "cpu"}})
+    assert cfg.budget == 2**30 and len(callbacks_from_config(cfg, copy_on_host=True)) == 2
+
+
+def test_auto_on_a_cpu_only_trainer_is_an_error_before_training(references):
+    module = StepLM(clone(references["base"]))
+    with pytest.raises(ConfigError, match="budget: auto reads the memory free on a CUDA device.*runs on cpu"):
+        make_trainer([ActivationCheckpointing(budget="auto")]).fit(module, loader())
+    assert module.losses == []
+
+
+# -- what it chooses ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_budgets_between_full_and_off_recompute_fewer_layers_under_the_budget(references, fraction, caplog):
+    budget = between(references, fraction)
+    run, peak, probe, trainer = train(references["base"], [ActivationCheckpointing(budget=budget)])
+    assert_exact(references["off"], run)
+    assert peak <= budget, "MemTracker's peak of a step after the plan settled"
+    assert probe.budget.settled and probe.budget.measured_peak <= budget
+    final = probe.choices[-1]
+    assert recomputed(final) < 4, "strictly fewer layers than full"
+    # the first step recomputes every layer; the last one exactly the chosen layers (6 replayed matmuls each)
+    off_mm, full_mm = references["off"].step_ops[-1][MM], references["full"].step_ops[-1][MM]
+    assert run.step_ops[0][MM] == references["full"].step_ops[0][MM]
+    assert run.step_ops[-1][MM] == off_mm + 6 * recomputed(final) < full_mm
+    assert run.step_ops[-1].get(SDPA, 0) == recomputed(final)
+    lines = [m for m in map(LINE.search, caplog.messages) if m]
+    assert len(lines) == 1 and int(lines[0].group(1)) == 4 - recomputed(final)
+    assert trainer.callback_metrics["lightning_ac/budget_recomputed_layers"] == recomputed(final)
+    assert trainer.callback_metrics["lightning_ac/budget_measured_peak_bytes"] <= budget
+
+
+def test_a_budget_above_off_peak_recomputes_nothing_once_settled(references):
+    # 1% above off's peak: exactly at it, the estimate of keeping everything can be a few hundred bytes over. The
+    # first step's estimate of the output head's working set is made with every layer recomputed (and runs a few
+    # percent high on this model), so the first choice may still recompute a layer; the next measured step corrects
+    # it, and from then on nothing is recomputed.
+    run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=int(references["off_peak"] * 1.01))])
+    assert_exact(references["off"], run)
+    settled = next(i for i, choices in enumerate(probe.choices) if choices == [Choice.keep] * 4)
+    assert settled <= 1 and probe.budget.settled
+    for ops in run.step_ops[settled + 1 :]:
+        assert ops[MM] == references["off"].step_ops[-1][MM] and ops.get(SDPA, 0) == 0
+
+
+def test_a_budget_below_full_warns_once_and_recomputes_everything(references):
+    budget = references["full_peak"] // 2
+    with pytest.warns(LightningACWarning, match="over the budget; training goes on recomputing every layer") as w:
+        run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget)])
+    ours = [str(m.message) for m in w if "over the budget" in str(m.message)]
+    assert len(ours) == 1 and "offload.hidden_states: cpu" in ours[0] and "layer_offloading: true" in ours[0]
+    assert_exact(references["off"], run)
+    assert all(choices == [Choice.recompute] * 4 for choices in probe.choices)
+    assert [ops[MM] for ops in run.step_ops] == [ops[MM] for ops in references["full"].step_ops]
+
+
+def test_a_wrong_estimate_is_corrected_by_the_closed_loop(references, monkeypatch, caplog):
+    budget = between(references, 0.5)
+    figures = LayerReading.figures
+
+    def underestimated(self, *args):  # a planted error: every layer looks 10x cheaper to keep than it is
+        found = figures(self, *args)
+        return type(found)(**{**found.__dict__, "saved_bytes": found.saved_bytes // 10})
+
+    monkeypatch.setattr(LayerReading, "figures", underestimated)
+    run, peak, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget)], steps=6, measure_step=5)
+    assert_exact(references["off"], run)
+    assert probe.choices[0] == [Choice.keep] * 4, "the wrong figures keep every layer"
+    assert any("over the budget" in m and "choosing again with more recompute" in m for m in caplog.messages)
+    assert probe.budget.corrections >= 1 and probe.budget.settled
+    assert peak <= budget and recomputed(probe.choices[-1]) > 0
+
+
+def test_a_longer_batch_is_planned_again_before_it_runs(references, caplog):
+    budget = between(references, 0.6)
+    data = loader(seqs=(32, 32, 32, 64, 64))
+    # the step with 64 tokens a sequence is measured by StepMetrics, apart from the budget's measurements
+    run, peak, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget)], data=data, measure_step=3)
+    assert any("this step has 128 tokens, more than the 64 measured" in m for m in caplog.messages)
+    before, longer = probe.choices[2], probe.choices[3]
+    assert recomputed(longer) > recomputed(before), "more recompute for twice the tokens"
+    assert peak <= budget, "the longer step's own peak"
+    plain, _, _, _ = train(references["base"], data=data, measure_step=3)
+    assert_exact(plain, run)
+
+
+def test_resume_starts_from_the_settled_plan(references, tmp_path, caplog):
+    budget = between(references, 0.5)
+    callback = ActivationCheckpointing(budget=budget)
+    _, _, probe, _ = train(
+        references["base"], [callback], steps=4, default_root_dir=tmp_path, enable_checkpointing=True
+    )
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["ActivationCheckpointing"]["budget_plan"]
+    assert saved["settled"] and saved["choices"] == [c.value for c in probe.choices[-1]]
+    caplog.clear()
+    resumed = StepLM(clone(references["base"]))
+    again = Controller()
+    trainer = make_trainer([ActivationCheckpointing(budget=budget), again], max_steps=6, default_root_dir=tmp_path)
+    trainer.fit(resumed, loader(), ckpt_path=ckpt)
+    assert any("resuming with the checkpoint's plan" in m for m in caplog.messages)
+    assert again.choices[0] == probe.choices[-1], "the first resumed step runs the settled plan, not a measurement"
+    assert resumed.step_ops[0][MM] == references["off"].step_ops[-1][MM] + 6 * recomputed(probe.choices[-1])
+    # another budget measures again
+    caplog.clear()
+    other = make_trainer([ActivationCheckpointing(budget=budget * 2)], max_steps=6, default_root_dir=tmp_path)
+    other.fit(StepLM(clone(references["base"])), loader(), ckpt_path=ckpt)
+    assert any("measuring again" in m for m in caplog.messages)
+
+
+# -- compositions: bit-exact with everything else in the block ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"reentrant": True},
+        {"kwargs": {"preserve_rng_state": False}},
+        {"layers": ["model.model.layers.*"]},  # the torch engine
+        {"selective": True},
+    ],
+    ids=["reentrant", "kwargs", "torch-engine", "selective"],
+)
+def test_budget_composes_with_the_block(references, arguments):
+    budget = between(references, 0.5)
+    run, peak, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget, **arguments)])
+    assert_exact(references["off"], run)
+    assert probe.budget.settled and peak <= budget
+
+
+def test_selective_layers_are_chosen_where_they_measure_faster(references, monkeypatch):
+    """On this tiny model the save rules' policy costs more than it saves; where it measured faster (planted here
+    by a slow whole-layer recompute), the budget runs the rules, and the run stays exact."""
+    budget = between(references, 0.1)
+    run, peak, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget, selective=True)])
+    figures = probe.budget.figures
+    assert all(f.selective_bytes is not None for f in figures) and all(probe.budget.selective_measured)
+    for f, choice in zip(figures, probe.choices[-1]):
+        assert choice is not Choice.selective or f.selective_seconds < f.recompute_seconds
+    assert_exact(references["off"], run)
+
+    _slow_recompute(monkeypatch)
+    run, peak, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget, selective=True)])
+    assert Choice.selective in probe.choices[-1]
+    attention_replays = run.step_ops[-1].get(SDPA, 0)
+    assert attention_replays == probe.choices[-1].count(Choice.recompute), "selective layers keep attention"
+    assert_exact(references["off"], run)
+    assert peak <= budget
+
+
+def _slow_recompute(monkeypatch):
+    """A planted measurement: recomputing a whole layer looks 100x slower than it is, so the save rules, which
+    measure no faster on this tiny model, are chosen where they fit."""
+    figures = LayerReading.figures
+
+    def recompute_is_slow(self, *args):
+        found = figures(self, *args)
+        return type(found)(**{**found.__dict__, "recompute_seconds": found.recompute_seconds * 100})
+
+    monkeypatch.setattr(LayerReading, "figures", recompute_is_slow)
+
+
+@pytest.mark.parametrize("target", ["hidden_states", "selective", "all"])
+def test_budget_composes_with_every_offload_target(references, transfer, target, monkeypatch):
+    budget = between(references, 0.5)
+    offload = ActivationOffload(copy_on_host=True, min_offload_bytes=0, **{target: "cpu"})
+    selective = target == "selective"
+    if selective:
+        _slow_recompute(monkeypatch)
+    run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget, selective=selective), offload])
+    assert_exact(references["off"], run)
+    assert probe.budget.settled
+    final = probe.choices[-1]
+    # the last step moved what its choices leave to the target: recomputed layers' inputs, what the save rules keep
+    # in selective layers, everything the kept layers save
+    moved = offload.last_step[target]["tensors"]
+    if target == "all":  # everything saved outside the recomputed layers, the output head's included
+        assert moved > 0
+    else:
+        wanted = {"hidden_states": Choice.recompute, "selective": Choice.selective}[target]
+        assert (moved > 0) == (wanted in final), (final, offload.last_step)
+
+
+def test_budget_composes_with_layer_offloading():
+    base = tiny_model("llama", lora=True)
+    plain, off_peak, _, _ = train(base)
+    _, full_peak, _, _ = train(base, [ActivationCheckpointing()])
+    budget = (off_peak + full_peak) // 2
+    streamer = LayerOffload(copy_on_host=True)
+    run, _, probe, _ = train(base, [ActivationCheckpointing(budget=budget), streamer])
+    assert_exact(plain, run)
+    assert probe.budget.settled and streamer.last_step["loads"] > 0
+
+
+# -- nothing outlives the run ------------------------------------------------------------------------------------
+
+
+class Boom(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            raise RuntimeError("boom")
+
+
+def test_the_model_is_left_as_found_after_fit_validate_test_predict_and_exceptions(references):
+    module = StepLM(clone(references["base"]))
+    step = lambda batch, batch_idx: module.model(input_ids=batch[0], labels=batch[0]).loss  # noqa: E731
+    module.validation_step = module.test_step = module.predict_step = step
+    fingerprint = model_fingerprint(module)
+    callback = ActivationCheckpointing(budget=between(references, 0.5), verbose=True)
+    trainer = make_trainer([callback], max_steps=3)
+    trainer.fit(module, loader())
+    assert model_fingerprint(module) == fingerprint and callback.plan is None
+    trainer.validate(module, loader(), verbose=False)
+    trainer.test(module, loader(), verbose=False)
+    trainer.predict(module, loader())
+    assert model_fingerprint(module) == fingerprint
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([ActivationCheckpointing(budget=between(references, 0.5)), Boom()], max_steps=4).fit(
+            module, loader()
+        )
+    assert model_fingerprint(module) == fingerprint
+
+
+def test_the_report_shows_each_layer_choice(references, caplog):
+    class Report(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+            self.rows = cb.plan.layer_rows()
+
+    report = Report()
+    train(references["base"], [ActivationCheckpointing(budget=between(references, 0.5), verbose=True), report])
+    table = next(m for m in caplog.messages if "decoder layers\n" in m)
+    assert "recompute (measuring)" in table, "the table at fit start: the measuring step"
+    saves = [row.saves for row in report.rows]
+    assert all(re.match(r"(keep|recompute): saves [\d.]+ [KMG]iB, recompute [\d.]+ ms", s) for s in saves), saves
+    assert [row.recomputed for row in report.rows] == [not s.startswith("keep") for s in saves]
