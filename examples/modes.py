@@ -8,8 +8,8 @@ from typing import Any, Dict
 
 from omegaconf import OmegaConf
 
-from lightning_ac import ActivationCheckpointingConfig, parse_config
-from lightning_ac.config import AUTO, config_to_dict
+from lightning_ac import ActivationCheckpointingConfig
+from lightning_ac.config import AUTO, config_to_dict, parse_budget
 from lightning_ac.offload.device import format_bytes
 
 OPTIONS = Path(__file__).resolve().parents[1] / "conf" / "activation_checkpointing"
@@ -23,9 +23,12 @@ def option_blocks() -> Dict[str, Dict[str, Any]]:
     for path in sorted(OPTIONS.glob("*.yaml")):
         raw = OmegaConf.load(path)
         raw.pop("defaults", None)
-        # merged over the schema and parsed, as the job parses the user's block (a budget's size becomes bytes)
-        merged = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
-        blocks[path.stem] = config_to_dict(parse_config(merged))
+        # merged over the schema, an option is already in the form config_to_dict gives a parsed block, but for a
+        # budget's size, which parsing turns into bytes (the options are valid; the job parses the user's block once,
+        # and nothing else)
+        block = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
+        block["budget"] = parse_budget(block["budget"], f"{path.name}: budget")
+        blocks[path.stem] = block
     return blocks
 
 

@@ -47,6 +47,18 @@ def _import_graph() -> dict:
     return {_module_name(f): _imports(f, modules) - {_module_name(f)} for f in files}
 
 
+def test_the_core_never_imports_the_benchmark():
+    """lightning_ac.bench imports the core, never the other way (the memory budget measures with
+    lightning_ac.memory, which the benchmark shares)."""
+    graph = _import_graph()
+    core = {m: deps for m, deps in graph.items() if not m.startswith("lightning_ac.bench")}
+    assert not {
+        m: sorted(d for d in deps if d.startswith("lightning_ac.bench"))
+        for m, deps in core.items()
+        if any(d.startswith("lightning_ac.bench") for d in deps)
+    }
+
+
 def test_no_import_circle():
     """Read every module's imports and look for a circle. A package's own __init__ importing its modules is
     not a circle with them (Python runs it first either way), so edges into one's own parent package count

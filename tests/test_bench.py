@@ -87,7 +87,29 @@ def test_planner_picks_the_fastest_mode_that_fits():
     assert [c.fits for c in choices] == [False, False, True, True]
     text = explain(choices, 1300, 200, 100)
     assert "Use: full (fastest mode that fits; faster modes over budget: off, every_2)." in text
+    assert "budget: 1.21e-06GiB in the activation_checkpointing block" in text
+    text = explain(choices, 24 * 2**30, 200, 100)
+    assert 'ActivationCheckpointing(budget="24GiB")' in text and "activation_checkpointing.budget=24GiB" in text
     assert "No mode fits" in explain(plan_mode(rows, 10, 100, 200, errors), 10, 200, 100)
+
+
+def test_budget_rows_hold_their_claims_on_a_tiny_model(tmp_path, monkeypatch):
+    tiny_preset(monkeypatch, hidden=64, seq=128)
+    rows = bench.main(["--preset", "tiny", "--modes", "budget_50", "budget_25", "--out", str(tmp_path)])
+    by = {r.mode: r for r in rows}
+    assert [r.mode for r in rows] == ["off", "full", "budget_50", "budget_25"], "off and full run first: they place it"
+    off, full = by["off"].peak_activation_bytes, by["full"].peak_activation_bytes
+    for mode, fraction in (("budget_25", 0.25), ("budget_50", 0.5)):
+        row = by[mode]
+        assert row.status == "ok" and row.budget_bytes == int(full + fraction * (off - full))
+        assert row.peak_activation_bytes <= row.budget_bytes, "under its budget"
+        assert row.max_grad_diff == 0.0 and len(row.budget_choices) == 2
+    table = (tmp_path / "results.md").read_text()
+    assert "| `budget_50` |" in table and "fastest fixed mode that fits" in table
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {"budget_bytes", "budget_choices"} <= set(data[-1])
+    assert bench.fastest_fixed_mode(rows, full).mode == "full"
+    assert bench.fastest_fixed_mode(rows, full - 1) is None
 
 
 def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):

@@ -15,10 +15,12 @@ The core package never imports from here; this package imports the core.
 # Re-exported objects are the harness's own (not copies): tests register presets with
 # ``monkeypatch.setitem(bench.PRESETS, ...)`` and the harness must see them.
 from lightning_ac.bench.harness import (
+    BUDGET_MODES,
     LAYER_OFFLOAD_MODES,
     MODES,
     PRESETS,
     Row,
+    fastest_fixed_mode,
     label_offsets,
     main,
     plot,
@@ -31,10 +33,12 @@ from lightning_ac.bench.harness import (
 from lightning_ac.bench.harness import _availability as _availability  # noqa: E402
 
 __all__ = [
+    "BUDGET_MODES",
     "LAYER_OFFLOAD_MODES",
     "MODES",
     "PRESETS",
     "Row",
+    "fastest_fixed_mode",
     "label_offsets",
     "main",
     "plot",

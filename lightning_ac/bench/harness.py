@@ -33,7 +33,18 @@ from lightning_ac._logging import log
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.callbacks import ActivationCheckpointing, LayerOffload, callbacks_from_config
 
-__all__ = ["LAYER_OFFLOAD_MODES", "MODES", "PRESETS", "Row", "main", "plot", "results_markdown", "run_benchmark"]
+__all__ = [
+    "BUDGET_MODES",
+    "LAYER_OFFLOAD_MODES",
+    "MODES",
+    "PRESETS",
+    "Row",
+    "fastest_fixed_mode",
+    "main",
+    "plot",
+    "results_markdown",
+    "run_benchmark",
+]
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # A Llama-style model where attention is a large share of each layer: hidden 256, 8 layers, 2k tokens.
@@ -151,9 +162,14 @@ LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
     "layer_offload": "0",
     "layer_offload_resident": "L/4",
 }
-MODES = {**SUITE_MODES, **ANCHORS}
+# The memory budget at a fraction of the way from full's measured activation peak to off's (so these rows run after
+# off and full, which they need). The budget settles in its first steps (one measuring step, then checks), so these
+# rows run BUDGET_SETTLE_STEPS more warm-up steps before the measured and timed ones.
+BUDGET_MODES: Dict[str, float] = {"budget_25": 0.25, "budget_50": 0.5, "budget_75": 0.75}
+BUDGET_SETTLE_STEPS = 3
+MODES = {**SUITE_MODES, **BUDGET_MODES, **ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
-ALL_SUITE_MODES = {**SUITE_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
+ALL_SUITE_MODES = {**SUITE_MODES, **BUDGET_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
 ALL_ANCHORS = {**ANCHORS, **ACCELERATOR_ANCHORS}
 
 
@@ -170,13 +186,16 @@ class Row:
     peak_device_bytes: Optional[int] = None  # the device allocator's peak (CUDA); the layer-offloading modes' figure
     # (slowest - fastest) / median of the repetitions' median steps; None with one repetition
     step_time_spread: Optional[float] = None
+    budget_bytes: Optional[int] = None  # the budget modes: their budget, and what each decoder layer settled on
+    budget_choices: Optional[List[str]] = None
 
 
 class _BenchModule(pl.LightningModule):
-    def __init__(self, model: nn.Module, capture_grads: bool) -> None:
+    def __init__(self, model: nn.Module, capture_grads: bool, capture_step: int = 0) -> None:
         super().__init__()
         self.model = model
         self.capture_grads = capture_grads
+        self.capture_step = capture_step  # the same step in every mode: they train bit-identically until then
         self.grads: Optional[Dict[str, torch.Tensor]] = None
         self._step_context: Any = None
         self._in_step_context = False
@@ -204,7 +223,7 @@ class _BenchModule(pl.LightningModule):
         return self.model(input_ids=batch, labels=batch, use_cache=False).loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.capture_grads and self.grads is None:
+        if self.capture_grads and self.grads is None and self.trainer.global_step == self.capture_step:
             # torch's checkpoint_wrapper re-parents layers; strip its prefix so names match across modes
             self.grads = {
                 n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().float().cpu().clone()
@@ -268,22 +287,32 @@ def _availability(mode: str, on_accelerator: bool) -> str:
 
 
 def _run_mode(
-    mode: str, base: nn.Module, batch: torch.Tensor, steps: int, measure: bool, capture: bool, accelerator: str
+    mode: str,
+    base: nn.Module,
+    batch: torch.Tensor,
+    steps: int,
+    measure: bool,
+    capture: bool,
+    accelerator: str,
+    budget: Optional[int] = None,
 ):
     model = copy.deepcopy(base)
     callbacks: List[pl.Callback] = []
+    settle = 0
     if mode in ALL_ANCHORS:
         ALL_ANCHORS[mode](model)
     elif mode in LAYER_OFFLOAD_MODES:
         model, callbacks = _layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
+    elif mode in BUDGET_MODES:
+        callbacks, settle = callbacks_from_config({"budget": budget}), BUDGET_SETTLE_STEPS
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
-    metrics = StepMetrics(measure_step=1 if measure else -1, warmup_steps=2)
-    module = _BenchModule(model, capture)
+    metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
+    module = _BenchModule(model, capture, capture_step=1 + steps)  # every mode's last step but the budget's
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
-        max_steps=2 + steps,
+        max_steps=2 + steps + settle,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -291,12 +320,13 @@ def _run_mode(
         callbacks=[*callbacks, metrics],
     )
     # Each sample is the whole [batch, seq] tensor; the loader adds the batch dim.
-    loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps), batch_size=None)
+    loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps + settle), batch_size=None)
     try:
         trainer.fit(module, loader)
     finally:
         module.leave_step_context()
-    return metrics, module.grads
+    plan = callbacks[0].budget_plan if mode in BUDGET_MODES else None
+    return metrics, module.grads, plan
 
 
 def _layer_offload_mode(
@@ -335,12 +365,15 @@ def run_benchmark(
     on_accelerator = torch.cuda.is_available()
     accelerator = "gpu" if on_accelerator else "cpu"
     if modes is None:
-        modes = list(SUITE_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
+        modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
         modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
         modes += list(LAYER_OFFLOAD_MODES) if on_accelerator else []
     unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**ALL_SUITE_MODES, **ALL_ANCHORS})}")
+    if any(m in BUDGET_MODES for m in modes):  # placed between full's peak and off's: those run first
+        modes = [m for m in ("off", "full") if m not in modes] + modes
+        modes = sorted(modes, key=lambda m: m in BUDGET_MODES)
     config = _model_config(preset, model)
     base = _build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -351,6 +384,7 @@ def run_benchmark(
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     device_peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
+    plans: Dict[str, Optional[Dict[str, Any]]] = {m: None for m in modes}
     status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     for mode in modes:
         if status[mode] != "ok":
@@ -361,9 +395,16 @@ def run_benchmark(
         for mode in order:
             if status[mode] != "ok":
                 continue
+            budget = None
+            if mode in BUDGET_MODES:
+                off, full = peaks.get("off"), peaks.get("full")
+                if off is None or full is None:
+                    status[mode] = "failed: off and full have no measured peak to place the budget between"
+                    continue
+                budget = int(full + BUDGET_MODES[mode] * (off - full))
             try:
-                metrics, mode_grads = _run_mode(
-                    mode, base, batch_ids, steps, measure=rep == 0, capture=rep == 0, accelerator=accelerator
+                metrics, mode_grads, plan = _run_mode(
+                    mode, base, batch_ids, steps, rep == 0, rep == 0, accelerator, budget=budget
                 )
             except Exception as err:  # a mode that cannot run here is reported, not fatal
                 status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -373,7 +414,7 @@ def run_benchmark(
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
                 if metrics.peak is not None and metrics.peak.source == "cuda_allocator":
                     device_peaks[mode] = metrics.peak.peak_bytes
-                grads[mode] = mode_grads
+                grads[mode], plans[mode] = mode_grads, plan
             print(f"rep {rep} {mode:26s} step {times[mode][-1]:.3f} s", file=sys.stderr, flush=True)
 
     rows = []
@@ -392,6 +433,8 @@ def run_benchmark(
                 max_grad_diff=diff,
                 status=status[mode],
                 peak_device_bytes=device_peaks[mode],
+                budget_bytes=plans[mode]["budget_bytes"] if plans[mode] else None,
+                budget_choices=plans[mode]["choices"] if plans[mode] else None,
             )
         )
     return rows
@@ -443,8 +486,55 @@ def results_markdown(rows: List[Row]) -> str:
             f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
             f"{_time_ratio(r, off)} | {_time_ratio(r, hf)} | {diff} |"
         )
-    text = "\n".join(lines) + "\n" + (_layer_offload_markdown(offloaded) if offloaded else "")
+    budgets = [r for r in rows if r.mode in BUDGET_MODES]
+    text = "\n".join(lines) + "\n" + (_budget_markdown(budgets, rows) if budgets else "")
+    text += _layer_offload_markdown(offloaded) if offloaded else ""
     return text + ("\n" + NOISE_NOTE + "\n" if "x~ |" in text else "")
+
+
+def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:
+    """The fastest suite mode of one fixed choice (not a budget) whose measured activation peak fits the budget."""
+    fitting = [
+        r
+        for r in rows
+        if r.kind == "suite"
+        and r.mode not in BUDGET_MODES
+        and r.mode not in LAYER_OFFLOAD_MODES
+        and r.status == "ok"
+        and r.peak_activation_bytes is not None
+        and r.step_time_s is not None
+        and r.peak_activation_bytes <= budget_bytes
+    ]
+    return min(fitting, key=lambda r: r.step_time_s or float("inf"), default=None)
+
+
+def _budget_markdown(budgets: List[Row], rows: List[Row]) -> str:
+    """The budget rows' three claims: under the budget, no slower than the fastest fixed mode that fits it, exact."""
+    lines = [
+        "",
+        "Memory budget (placed 1/4, 1/2 and 3/4 of the way from full's activation peak to off's; each layer's "
+        "choice: k keep, s selective, r recompute):",
+        "",
+        "| mode | budget (MiB) | peak (MiB) | under budget | layers | fastest fixed mode that fits | step vs it "
+        "| max grad diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in budgets:
+        budget = r.budget_bytes
+        peak = r.peak_activation_bytes
+        fixed = fastest_fixed_mode(rows, budget) if budget is not None else None
+        under = "yes" if peak is not None and budget is not None and peak <= budget else "no"
+        layers = "".join(c[0] for c in r.budget_choices) if r.budget_choices else "—"
+        _, diff = _step_and_diff(r)
+        lines.append(
+            f"| `{r.mode}` | {_mib(budget)} | {_mib(peak)} | {under} | {layers} | "
+            f"{'`' + fixed.mode + '`' if fixed else '—'} | {_time_ratio(r, fixed) if fixed else '—'} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value: Optional[int]) -> str:
+    return f"{value / 2**20:.1f}" if value is not None else "—"
 
 
 def _step_and_diff(row: Row) -> Tuple[str, str]:
@@ -513,13 +603,22 @@ def plot(rows: List[Row], path: Path) -> None:
     points = [(r.step_time_s, r.peak_activation_bytes / 2**20) for r in shown]  # type: ignore[operator]
     fig, ax = plt.subplots(figsize=(7, 5))
     for r, (x, y), (dx, dy, ha) in zip(shown, points, label_offsets(points)):
-        anchor = r.kind == "anchor"
-        ax.scatter(x, y, marker="s" if anchor else "o", color="tab:gray" if anchor else "tab:blue", s=60)
+        anchor, budget = r.kind == "anchor", r.mode in BUDGET_MODES
+        color = "tab:gray" if anchor else "tab:green" if budget else "tab:blue"
+        ax.scatter(x, y, marker="s" if anchor else "D" if budget else "o", color=color, s=60, zorder=3)
         ax.annotate(r.mode, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
+    # the budget's frontier: full, the budget points by budget, off
+    frontier = sorted(
+        ((x, y) for r, (x, y) in zip(shown, points) if r.mode in BUDGET_MODES or r.mode in ("off", "full")),
+        key=lambda p: p[1],
+    )
+    if any(r.mode in BUDGET_MODES for r in shown):
+        ax.plot(*zip(*frontier), color="tab:green", alpha=0.5, linestyle="--", zorder=2, label="memory budget")
+        ax.legend(loc="upper right", fontsize=8)
     ax.margins(x=0.12, y=0.12)  # room for the labels of the outermost points
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("activation peak (MiB)")
-    ax.set_title("lightning_ac modes (circles) and anchors (squares)")
+    ax.set_title("lightning_ac modes (circles), budgets (diamonds) and anchors (squares)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -596,7 +695,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         batch = args.batch or PRESETS[preset]["batch"]
         # the scaling check: measure every mode's peak at half the sequence too (activation modes: the layer
         # offloading modes train another model, LoRA, and save weights, not activations)
-        planned_rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES]
+        planned_rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES and r.mode not in BUDGET_MODES]
         modes = [r.mode for r in planned_rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
         errors = scaling_errors(planned_rows, half)

@@ -93,4 +93,12 @@ def explain(choices: List[Choice], budget_bytes: int, planned_tokens: int, measu
         faster = [c.mode for c in suite if (c.step_time_s or 0) < (best.step_time_s or 0) and not c.fits]
         why = f"; faster modes over budget: {', '.join(faster)}" if faster else "; it is the fastest mode measured"
         lines.append(f"Use: {best.mode} (fastest mode that fits{why}).")
+    size = f"{budget_bytes / gib:.3g}GiB"
+    lines.append(
+        f"Or let the suite choose per decoder layer what to keep and what to recompute under this budget, measured on "
+        f"your model in the first step: budget: {size} in the activation_checkpointing block "
+        f'(ActivationCheckpointing(budget="{size}"); Hydra: activation_checkpointing=budget '
+        f"activation_checkpointing.budget={size}). It keeps what fits at full speed, which a mode of one fixed choice "
+        "cannot."
+    )
     return "\n".join(lines)

@@ -33,6 +33,7 @@ from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, 
 from lightning_ac.budget.measure import LayerMeter, LayerReading
 from lightning_ac.budget.switch import LayerSwitch
 from lightning_ac.config import AUTO
+from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.offload.device import format_bytes
 from lightning_ac.selective.policy import SelectivePolicy
 
@@ -145,8 +146,6 @@ class BudgetController:
 
     def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """At a training step's start (every micro-batch: each has its own forward and backward)."""
-        from lightning_ac.bench.memory import measure_step  # the benchmark's measurement: the same peak it reports
-
         if self.in_step:  # the last one never ended: the LightningModule skipped it (on_train_batch_start gave -1)
             self.abort_step()
         self.in_step, self._first_call = True, True
