@@ -384,3 +384,24 @@ def test_the_report_shows_each_layer_choice(references, caplog):
     saves = [row.saves for row in report.rows]
     assert all(re.match(r"(keep|recompute): saves [\d.]+ [KMG]iB, recompute [\d.]+ ms", s) for s in saves), saves
     assert [row.recomputed for row in report.rows] == [not s.startswith("keep") for s in saves]
+
+
+def test_activations_that_do_not_scale_per_token_are_measured_instead(caplog):
+    """Eager attention saves a tokens x tokens matrix per head: twice the tokens is four times that. The re-planned
+    step measures the layers again, says the figures did not scale linearly, and plans from the measured ones."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    data = loader(seqs=(32, 32, 128, 128, 128))
+    plain, off_peak, _, _ = train(base, data=data, measure_step=4)
+    _, full_peak, _, _ = train(base, [ActivationCheckpointing()], data=data, measure_step=4)
+    budget = (off_peak + full_peak) // 2  # at 128 tokens a sequence
+    run, peak, probe, _ = train(base, [ActivationCheckpointing(budget=budget)], data=data, measure_step=4)
+    assert any("this step has 256 tokens, more than the 64 measured" in m for m in caplog.messages)
+    assert any("did not scale linearly with the tokens" in m for m in caplog.messages)
+    assert probe.budget.tokens == 256 and peak <= budget
+    assert_exact(plain, run)

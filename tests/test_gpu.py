@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import clone, fit, tiny_model
@@ -258,3 +259,47 @@ def test_verify_mode_on_cuda_streams():
     plain, verified = run(0), run(2)
     for a, b in zip(plain.parameters(), verified.parameters()):
         assert torch.equal(a, b)
+
+
+# -- the memory budget on the CUDA allocator ---------------------------------------------------------------------
+
+
+def _budget_run(base, budget, steps=6):
+    from lightning_ac.budget import Choice
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+            self.budget = cb.plan.budget
+
+    keep = Keep()
+    metrics = StepMetrics(measure_step=steps - 1, warmup_steps=0)
+    callback = ActivationCheckpointing(budget=budget)
+    module = gpu_fit(clone(base), [callback, metrics, keep], max_steps=steps)
+    return module, metrics.peak.activation_bytes, keep.budget, Choice
+
+
+def test_budget_on_cuda_settles_under_the_budget_with_device_timings():
+    """The allocator's peaks, the device-event timings (read once a step) and the head's peak from the allocator."""
+    base = tiny_model("llama", max_position_embeddings=4096)
+    peaks = {}
+    for name, callbacks in (("off", []), ("full", [ActivationCheckpointing()])):
+        metrics = StepMetrics(measure_step=2)
+        gpu_fit(clone(base), [*callbacks, metrics], max_steps=3)
+        peaks[name] = metrics.peak.activation_bytes
+    budget = (peaks["off"] + peaks["full"]) // 2
+    reference = gpu_fit(clone(base), max_steps=6)
+    module, peak, controller, Choice = _budget_run(base, budget)
+    assert reference.losses == module.losses
+    assert controller.settled and peak <= budget and controller.measured_peak <= budget
+    assert all(f.recompute_seconds > 0 for f in controller.figures), "device events timed each layer"
+    assert controller.head_bytes > 0 and Choice.keep in controller.choices
+
+
+def test_budget_auto_reads_the_free_device_memory(caplog):
+    base = tiny_model("llama")
+    module, _, controller, Choice = _budget_run(base, "auto", steps=3)
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < controller.budget_bytes < total
+    assert any("budget auto:" in m for m in caplog.messages)
+    assert controller.choices == [Choice.keep] * 4, "a tiny model fits in what a GPU has free"

@@ -163,9 +163,11 @@ LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
     "layer_offload_resident": "L/4",
 }
 # The memory budget at a fraction of the way from full's measured activation peak to off's (so these rows run after
-# off and full, which they need). The budget settles in its first steps (one measuring step, then checks), so these
-# rows run BUDGET_SETTLE_STEPS more warm-up steps before the measured and timed ones.
+# off and full, which they need), with selective_attn's save rules for the layers where they measure faster than a
+# whole recompute. The budget settles in its first steps (one measuring step, then checks), so these rows run
+# BUDGET_SETTLE_STEPS more warm-up steps before the measured and timed ones.
 BUDGET_MODES: Dict[str, float] = {"budget_25": 0.25, "budget_50": 0.5, "budget_75": 0.75}
+BUDGET_BLOCK: Dict[str, Any] = {"selective": {"save": ["attention"]}}
 BUDGET_SETTLE_STEPS = 3
 MODES = {**SUITE_MODES, **BUDGET_MODES, **ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
@@ -304,7 +306,7 @@ def _run_mode(
     elif mode in LAYER_OFFLOAD_MODES:
         model, callbacks = _layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
     elif mode in BUDGET_MODES:
-        callbacks, settle = callbacks_from_config({"budget": budget}), BUDGET_SETTLE_STEPS
+        callbacks, settle = callbacks_from_config({**BUDGET_BLOCK, "budget": budget}), BUDGET_SETTLE_STEPS
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
@@ -512,8 +514,8 @@ def _budget_markdown(budgets: List[Row], rows: List[Row]) -> str:
     """The budget rows' three claims: under the budget, no slower than the fastest fixed mode that fits it, exact."""
     lines = [
         "",
-        "Memory budget (placed 1/4, 1/2 and 3/4 of the way from full's activation peak to off's; each layer's "
-        "choice: k keep, s selective, r recompute):",
+        "Memory budget (placed 1/4, 1/2 and 3/4 of the way from full's activation peak to off's, with "
+        "`selective: {save: [attention]}`; each layer's choice: k keep, s selective, r recompute):",
         "",
         "| mode | budget (MiB) | peak (MiB) | under budget | layers | fastest fixed mode that fits | step vs it "
         "| max grad diff |",

@@ -160,7 +160,7 @@ class BudgetController:
             self.meter.dry = False
             self.meter.start()
         if self.phase != _SETTLED or self.device.type == "cuda":
-            self._measurement = measure_step([module], list(optimizers), self.device)
+            self._measurement = measure_step([module], list(optimizers), self.device, synchronize=False)
             self._measurement.__enter__()
 
     def before_backward(self) -> None:
