@@ -39,12 +39,12 @@ def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
     is labelled by what it does (``full``), not by the option it replaced."""
     resolved = config_to_dict(block)
     options = option_blocks()
-    if not from_legacy_keys and options.get(choice) == resolved:
-        return choice
     budget = resolved.get("budget")
     if budget is not None and choice in options and {**options[choice], "budget": budget} == resolved:
-        # a sweep over budgets: each job by its budget
+        # a run under a budget goes by its budget too (a sweep over budgets tells its jobs apart)
         return f"{choice} {AUTO if budget == AUTO else format_bytes(budget)}"
+    if not from_legacy_keys and options.get(choice) == resolved:
+        return choice
     match = next((name for name, option in options.items() if option == resolved), None)
     if match is not None:
         return match
