@@ -546,14 +546,16 @@ class Plan:
         for index, (name, _) in enumerate(self.layers.layers):
             recomputed = bool(self.recomputed[index]) if index < len(self.recomputed) else False
             layer_type = self.layers.layer_types[index] if index < len(self.layers.layer_types) else None
-            saves = self.selective.describe_layer(index, recomputed) if self.selective is not None else None
+            # under a budget, the save rules apply to the layers it makes selective, not to every recomputed one
+            ruled = recomputed if self.budget is None else self.budget.choices[index] is Choice.selective
+            saves = self.selective.describe_layer(index, ruled) if self.selective is not None else None
             if self.budget is not None:
                 saves = "; ".join(filter(None, [self.budget.describe_layer(index), saves]))
             offloaded = []
             if self.weight_streamer is not None:
                 offloaded += filter(None, [self.weight_streamer.describe_layer(index)])
             if self.activation_offload is not None:
-                offloaded += self.activation_offload.describe_layer(recomputed, self.selective is not None)
+                offloaded += self.activation_offload.describe_layer(recomputed, self.selective is not None and ruled)
             rows.append(LayerRow(index, name, layer_type or "—", recomputed, saves or "—", ", ".join(offloaded) or "—"))
         return rows
 

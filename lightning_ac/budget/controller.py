@@ -198,8 +198,9 @@ class BudgetController:
             self._check(peak, first=True)
             return
         if readings is not None and self._rescaled_from is not None:
-            self._check_scaling(readings)
-        elif readings is not None:
+            self._check_scaling(readings)  # chooses again from the measured figures: the next step checks that
+            return
+        if readings is not None:
             self._take_selective(readings)
         if peak is not None:
             self._check(peak)
@@ -355,10 +356,11 @@ class BudgetController:
         """After a step re-planned for more tokens: the measured figures replace the scaled ones; if they differ
         by more than :data:`LINEAR_TOLERANCE`, say that this model's activations do not scale per token."""
         scaled = self.figures or []
-        measured_rules = self.selective_measured
+        measured_rules, head = self.selective_measured, self.head_bytes
         self._rescaled_from = None
         choices = self.choices
         self._take_figures(readings)
+        self.head_bytes = head  # measured in the first step and scaled: this step did not split the head's peak off
         assert self.figures is not None
         for index, (before, choice) in enumerate(zip(scaled, choices)):
             # the save rules' time is what was measured, scaled; a layer that ran them saved part of its
