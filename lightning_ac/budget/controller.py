@@ -114,7 +114,6 @@ class BudgetController:
         self.outside_bytes = 0  # saved outside the layers before the last one ran: held through their backward
         self.head_bytes = 0  # the output head's working set at its backward (what it saves, and its gradients)
         self.calibration = 0  # measured peak less the figures' estimate: what they do not see
-        self.plan: Optional[LayerPlan] = None
         self.full_seconds = 0.0  # the estimated recompute time of every layer recomputed
         self.measured_peak: Optional[int] = None
         self.corrections = 0
@@ -404,7 +403,6 @@ class BudgetController:
             return
         plan = self._choose_new()
         if not over and list(plan.choices) == choices:
-            self.plan = plan
             self._settle()
             return
         self.corrections += 1
@@ -419,7 +417,6 @@ class BudgetController:
                 f"budget: the step's activation peak {format_bytes(peak)} is over the budget "
                 f"{format_bytes(budget)}: choosing again with more recompute"
             )
-        self.plan = plan
         self._set(list(plan.choices))
         self.phase = _CHECK
 
@@ -437,8 +434,7 @@ class BudgetController:
     def _choose(self) -> None:
         """Choose from the figures and the calibration; the next measured step checks the choice."""
         assert self.budget_bytes is not None and self.figures is not None
-        self.plan = self._plan(self.calibration)
-        self._set(list(self.plan.choices))
+        self._set(list(self._plan(self.calibration).choices))
         self.phase = _CHECK
 
     def _estimate(self, choices: Sequence[Choice], calibration: int) -> tuple:
