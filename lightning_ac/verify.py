@@ -57,6 +57,7 @@ class StepVerifier:
         self._expected: Optional[List[Optional[torch.Tensor]]] = None  # per trainable parameter, on the host
         self._loss: Optional[torch.Tensor] = None
         self._step = -1  # the optimizer step being verified
+        self._first: Optional[int] = None  # the run's first optimizer step (a resumed run starts past 0)
 
     @staticmethod
     def check(trainer: Any, module: nn.Module) -> None:
@@ -87,7 +88,11 @@ class StepVerifier:
             )
 
     def verifying(self, trainer: Any) -> bool:
-        return trainer.global_step < self.steps
+        """Whether this micro-batch belongs to the first ``steps`` optimizer steps of this run, counted from where
+        the run starts (a resumed run, or a second fit, starts past step 0)."""
+        if self._first is None:
+            self._first = trainer.global_step
+        return trainer.global_step < self._first + self.steps
 
     def announce(self) -> None:
         """The log line that says verify mode is on, and what it compares."""
@@ -167,7 +172,8 @@ class StepVerifier:
         expected, self._loss = self._loss, None
         real = loss.detach().to("cpu")
         if not self._same(real, expected):
-            raise self._error(trainer, f"the loss is {real.item()!r}, {expected.item()!r} with synchronous transfers")
+            what = f"the loss is {real.item()!r}, {expected.item()!r} with synchronous transfers"
+            raise self._diverged(trainer, what) if not torch.isfinite(expected).all() else self._error(trainer, what)
         params = _trainable(module)
         base = [_to_host(p.grad) for p in params]
         self._expected = [_sum(b, c) for b, c in zip(base, self._contribution)]
@@ -195,17 +201,18 @@ class StepVerifier:
                 first = first or (name, difference)
             largest = max(largest, difference)
         if first is not None:
-            raise self._error(
-                trainer,
+            what = (
                 f"the gradient of {first[0]} differs by up to {first[1]:.3e} (the largest difference over all "
-                f"parameters: {largest:.3e})",
+                f"parameters: {largest:.3e})"
             )
+            finite = all(w is None or bool(torch.isfinite(w).all()) for w in expected)
+            raise self._error(trainer, what) if finite else self._diverged(trainer, what)
 
     def step_done(self, trainer: Any) -> None:
         """After each micro-batch: once the last verified optimizer step is complete, say so."""
         if self._step < 0 or trainer.global_step == self._step or self.verified == self.steps:
             return
-        self.verified = trainer.global_step
+        self.verified = trainer.global_step - (self._first or 0)
         if self.verified >= self.steps:
             self.verified = self.steps
             exact = "bit-identical" if self.atol == 0 else f"within {self.atol:g}"
@@ -216,9 +223,20 @@ class StepVerifier:
             )
 
     def _same(self, got: torch.Tensor, want: torch.Tensor) -> bool:
-        if self.atol == 0:
-            return torch.equal(got, want)
+        if self.atol == 0:  # bit for bit: identical NaNs match too (torch.equal says NaN differs from itself)
+            return got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
         return bool(torch.allclose(got, want, rtol=0.0, atol=self.atol, equal_nan=True))
+
+    def _diverged(self, trainer: Any, what: str) -> OffloadVerificationError:
+        """A mismatch where the synchronous reference itself is not finite: the model diverged, and a NaN's bits
+        tell nothing about the transfers."""
+        return OffloadVerificationError(
+            f"verify: optimizer step {self._step} (batch {trainer.fit_loop.epoch_loop.batch_idx}): {what}; the "
+            "reference with synchronous transfers is not finite itself, so the training diverged (a learning rate "
+            "too high, a loss over an empty batch, an overflow in half precision) and the comparison cannot tell "
+            "whether the transfers are exact. Fix the NaN or inf first (torch.autograd.set_detect_anomaly(True) "
+            "finds the op), then verify again."
+        )
 
     def _error(self, trainer: Any, what: str) -> OffloadVerificationError:
         targets = ", ".join(self.targets)
@@ -228,6 +246,15 @@ class StepVerifier:
             "report it at https://github.com/lightning-ac/lightning_ac/issues with this message, and train with "
             f"{targets} off meanwhile."
         )
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating tensor's bits as integers of its size (so that comparing them is bit for bit); others as they are."""
+    ints = _SAME_SIZE_INTS.get(tensor.element_size()) if tensor.is_floating_point() else None
+    return tensor.contiguous().view(ints) if ints is not None else tensor
 
 
 def _muted(*args: Any, **kwargs: Any) -> None:

@@ -203,3 +203,45 @@ def test_what_lightning_allows_is_verified_as_it_comes(lora_llama):
         verified = fit(clone(lora_llama), MODES["hidden_states"](3), max_steps=3, module_cls=Unusual)
     assert all(torch.equal(a, b) for a, b in zip(_params(plain), _params(verified)))
     assert float(verified.calls) == float(plain.calls), "the buffer as the real steps left it, the reference undone"
+
+
+def test_a_resumed_run_verifies_its_own_first_steps(lora_llama, tmp_path, caplog):
+    """Verify mode is for a job moved to a new machine, which resumes from its checkpoint: the first steps of that
+    run are verified, counted from where it starts (a fault injected there is caught)."""
+    with SimulatedDevice():
+        make_trainer(MODES["hidden_states"](0), max_steps=2, default_root_dir=tmp_path, enable_checkpointing=True).fit(
+            LM(clone(lora_llama)), batches()
+        )
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    caplog.clear()
+    with SimulatedDevice():
+        resumed = LM(clone(lora_llama))
+        make_trainer(MODES["hidden_states"](1), max_steps=3, default_root_dir=tmp_path).fit(
+            resumed, batches(), ckpt_path=ckpt
+        )
+    assert "lightning_ac: verified 1 step: gradients bit-identical" in caplog.text
+    assert len(resumed.losses) == 2, "step 2 ran twice: the reference pass and the real one"
+    with SimulatedDevice(faults=["skip_wait"]):
+        with pytest.raises(OffloadVerificationError, match="verify: optimizer step 2 "):
+            make_trainer(MODES["hidden_states"](1), max_steps=3, default_root_dir=tmp_path).fit(
+                LM(clone(lora_llama)), batches(), ckpt_path=ckpt
+            )
+
+
+class NaNLoss(LM):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * float("nan")
+
+
+def test_identical_nans_match_and_a_diverged_reference_is_not_blamed_on_the_transfers(lora_llama, caplog):
+    # the loss is NaN in the reference too, bit for bit the same: verify passes (and the run trains on NaN, as it
+    # would without verify mode)
+    with SimulatedDevice():
+        make_trainer(MODES["hidden_states"](1), max_steps=1).fit(NaNLoss(clone(lora_llama)), batches())
+    assert "lightning_ac: verified 1 step: gradients bit-identical" in caplog.text
+    # a fault on top of a diverged reference: the message says the training diverged, not that the transfers raced
+    with SimulatedDevice(faults=["skip_wait"]):
+        with pytest.raises(OffloadVerificationError) as info:
+            make_trainer(MODES["hidden_states"](1), max_steps=1).fit(NaNLoss(clone(lora_llama)), batches())
+    message = str(info.value)
+    assert "is not finite itself, so the training diverged" in message and "raced" not in message, message
