@@ -28,6 +28,7 @@ from lightning_ac.config import (
     config_to_dict,
     parse_bool,
     parse_config,
+    parse_count,
 )
 from lightning_ac.layers import LayerSpec
 from lightning_ac.offload.device import available_host_bytes
@@ -599,6 +600,18 @@ def callbacks_from_config(
     cfg = parse_config(block)
     layer_offloading = bool(parse_bool(layer_offloading, "layer_offloading"))
     verbose = bool(parse_bool(verbose, "verbose"))
+    # checked whatever the block, not only when the callback that takes them is built
+    copy_on_host = bool(parse_bool(copy_on_host, "callbacks_from_config(copy_on_host=...)"))
+    verify_steps = parse_count(
+        verify_steps,
+        "callbacks_from_config(verify_steps=...)",
+        fix="It counts the first optimizer steps run twice to check the transfers; 0 turns verify mode off.",
+    )
+    layer_offloading_resident_layers = parse_count(
+        layer_offloading_resident_layers,
+        "layer_offloading_resident_layers",
+        fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
+    )
     callbacks: List[Callback] = []
     if cfg.enabled:
         callbacks.append(ActivationCheckpointing._from_request(CheckpointingRequest.from_config(cfg), verbose))

@@ -180,6 +180,8 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
         (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
         (["offload_verify_steps=-1"], ["offload_verify_steps: expected an integer >= 0, got -1"]),
+        # checked although no LayerOffload is built (layer_offloading is false)
+        (["layer_offloading_resident_layers=-3"], ["layer_offloading_resident_layers: expected an integer >= 0"]),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -11,6 +13,7 @@ from lightning_ac import (
     OffloadConfig,
     Placement,
     SelectiveConfig,
+    callbacks_from_config,
     parse_config,
 )
 from lightning_ac.config import config_to_dict
@@ -185,3 +188,20 @@ def test_debug_is_rejected_where_torch_would_raise(value):
     with pytest.raises(ConfigError, match="kwargs.debug"):
         parse_config(value)
     parse_config({"kwargs": {"debug": True}})  # fine with non-reentrant and no selective
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"verify_steps": -1}, "callbacks_from_config(verify_steps=...)"),
+        ({"verify_steps": "2"}, "callbacks_from_config(verify_steps=...)"),
+        ({"copy_on_host": "yes"}, "callbacks_from_config(copy_on_host=...)"),
+        ({"layer_offloading_resident_layers": -3}, "layer_offloading_resident_layers"),
+        ({"layer_offloading_resident_layers": "two"}, "layer_offloading_resident_layers"),
+    ],
+)
+def test_callbacks_from_config_checks_every_option_whatever_the_block(kwargs, field):
+    # the block builds no ActivationOffload or LayerOffload, which would have checked these
+    for block in (False, True, {"selective": True}):
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            callbacks_from_config(block, **kwargs)
