@@ -81,13 +81,17 @@ def test_planner_picks_the_fastest_mode_that_fits():
     ]
     errors = scaling_errors(rows, half)
     assert errors["off"] == 0.0 and errors["every_2"] == pytest.approx(0.1)
+    # an odd sequence (33 measured at 16 tokens): a mode linear in tokens shows no error
+    assert scaling_errors([_row("off", 3300, 1.0)], [_row("off", 1600, 0.5)], ratio=33 / 16)["off"] == pytest.approx(0)
     # at twice the tokens: off 2000, every_2 1200 (+10% margin = 1320), full 400
     choices = plan_mode(rows, budget_bytes=1300, measured_tokens=100, planned_tokens=200, errors=errors)
     assert [c.mode for c in choices] == ["off", "every_2", "full", "hf_native_full"]
     assert [c.fits for c in choices] == [False, False, True, True]
     text = explain(choices, 1300, 200, 100)
     assert "Use: full (fastest mode that fits; faster modes over budget: off, every_2)." in text
-    assert "budget: 1.21e-06GiB in the activation_checkpointing block" in text
+    assert "budget: 1.27KiB in the activation_checkpointing block" in text
+    # budgets too small for two decimals of GiB show in a unit that shows them
+    assert text.startswith("Activation budget 1.27 KiB at 200 tokens") and "est    1.95 KiB" in text
     text = explain(choices, 24 * 2**30, 200, 100)
     assert 'ActivationCheckpointing(budget="24GiB")' in text and "activation_checkpointing.budget=24GiB" in text
     assert "No mode fits" in explain(plan_mode(rows, 10, 100, 200, errors), 10, 200, 100)
@@ -118,6 +122,13 @@ def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
     plan = (tmp_path / "plan.txt").read_text()
     assert "Activation budget 1.00 GiB at 64 tokens" in plan and "Use: " in plan
     assert "Use: " in capsys.readouterr().out
+
+
+def test_the_planner_says_which_modes_it_does_not_plan(tmp_path, monkeypatch):
+    tiny_preset(monkeypatch)
+    bench.main(["--preset", "tiny", "--modes", "off", "full", "lora_full", "--budget-gib", "1", "--out", str(tmp_path)])
+    plan = (tmp_path / "plan.txt").read_text()
+    assert "Use: off" in plan and "Not planned: lora_full (layer offloading saves weights" in plan
 
 
 def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):
@@ -197,6 +208,8 @@ def test_labels_of_points_that_sit_together_are_stacked_and_kept_inside():
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--plan-seq", "4096"], "--plan-seq 4096: it is the sequence length the budget planner plans for"),
+        (["--modes", "lora_full", "layer_offload", "--budget-gib", "100"], "none of these is one"),
         (["--seq", "1", "--budget-gib", "0.1"], "--seq 1: the budget planner"),
         (["--seq", "0"], "--seq 0: expected an integer >= 1"),
         (["--reps", "-1"], "--reps -1: expected an integer >= 1"),

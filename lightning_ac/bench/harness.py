@@ -638,6 +638,19 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} {value}: expected an integer >= 1")
+    if args.plan_seq is not None and args.budget_gib is None:
+        parser.error(
+            f"--plan-seq {args.plan_seq}: it is the sequence length the budget planner plans for, and there is no "
+            "--budget-gib to plan with; add --budget-gib, or leave --plan-seq out"
+        )
+    unplanned = {**LAYER_OFFLOAD_MODES, **BUDGET_MODES}
+    if args.budget_gib is not None and args.modes and all(m in unplanned for m in args.modes):
+        parser.error(
+            f"--modes {' '.join(args.modes)} --budget-gib {args.budget_gib:g}: the planner compares the activation "
+            "modes of one fixed choice (off, full, every_2, the selective and offload modes), and none of these is "
+            "one (layer offloading saves weights, not activations; a budget row is the budget itself). Add such "
+            "modes, or leave --budget-gib out"
+        )
     if args.budget_gib is not None:
         if not args.budget_gib > 0:
             parser.error(f"--budget-gib {args.budget_gib}: expected a budget > 0 GiB")
@@ -698,12 +711,18 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         # the scaling check: measure every mode's peak at half the sequence too (activation modes: the layer
         # offloading modes train another model, LoRA, and save weights, not activations)
         planned_rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES and r.mode not in BUDGET_MODES]
+        unplanned = [r.mode for r in rows if r not in planned_rows]
         modes = [r.mode for r in planned_rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
-        errors = scaling_errors(planned_rows, half)
+        errors = scaling_errors(planned_rows, half, ratio=seq / (seq // 2))
         planned = (args.plan_seq or seq) * batch
         budget = int(args.budget_gib * 2**30)
         advice = explain(plan_mode(planned_rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
+        if unplanned:
+            advice += (
+                f"\nNot planned: {', '.join(unplanned)} (layer offloading saves weights, not activations; a budget "
+                "row is the budget itself)."
+            )
         print(advice)
     if args.out:  # always set (default bench_out)
         args.out.mkdir(parents=True, exist_ok=True)

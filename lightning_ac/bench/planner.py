@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from lightning_ac.offload.device import format_bytes
+
 __all__ = ["Choice", "plan_mode", "scaling_errors"]
 
 
@@ -27,13 +29,14 @@ class Choice:
     fits: bool
 
 
-def scaling_errors(full: Sequence, half: Sequence) -> Dict[str, float]:
-    """Relative error of predicting each mode's full-size peak as twice its half-size peak."""
+def scaling_errors(full: Sequence, half: Sequence, ratio: float = 2.0) -> Dict[str, float]:
+    """Relative error of predicting each mode's full-size peak from its half-size peak, scaled by ``ratio``: the
+    tokens of the full size over those measured at half (2 for an even sequence, 33 / 16 for ``--seq 33``)."""
     halves = {r.mode: r.peak_activation_bytes for r in half if r.peak_activation_bytes}
     errors = {}
     for row in full:
         if row.peak_activation_bytes and row.mode in halves:
-            errors[row.mode] = (2 * halves[row.mode] - row.peak_activation_bytes) / row.peak_activation_bytes
+            errors[row.mode] = (ratio * halves[row.mode] - row.peak_activation_bytes) / row.peak_activation_bytes
     return errors
 
 
@@ -57,13 +60,27 @@ def plan_mode(
     return sorted(choices, key=lambda c: c.step_time_s or float("inf"))
 
 
+def _size(nbytes: int, decimals: int = 2) -> str:
+    """GiB with ``decimals`` decimals, or a smaller unit where that would show zero (a budget of 0.001 GiB)."""
+    if nbytes >= 0.5 * 10**-decimals * 2**30:
+        return f"{nbytes / 2**30:.{decimals}f} GiB"
+    return format_bytes(nbytes)
+
+
+def _setting(nbytes: int) -> str:
+    """A size as the ``budget`` field takes it: ``24GiB``, ``1.27KiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g}{unit}"
+    return f"{nbytes}B"
+
+
 def explain(choices: List[Choice], budget_bytes: int, planned_tokens: int, measured_tokens: int) -> str:
     """The planner's answer and its reasons, as printed by ``python -m lightning_ac.bench --budget-gib``."""
-    gib = 2**30
     suite = [c for c in choices if c.kind == "suite"]
     best = next((c for c in suite if c.fits), None)
     lines = [
-        f"Activation budget {budget_bytes / gib:.2f} GiB at {planned_tokens} tokens per step "
+        f"Activation budget {_size(budget_bytes)} at {planned_tokens} tokens per step "
         f"(measured at {measured_tokens}; estimates scale with tokens, widened by the error the scaling rule "
         "showed for each mode between half and full size):"
     ]
@@ -75,7 +92,7 @@ def explain(choices: List[Choice], budget_bytes: int, planned_tokens: int, measu
         else:
             verdict = "over budget"
         lines.append(
-            f"  {c.mode:26s} {c.kind:6s} est {c.estimate_bytes / gib:7.3f} GiB (+/-{100 * c.margin:4.1f}%)  "
+            f"  {c.mode:26s} {c.kind:6s} est {_size(c.estimate_bytes, 3):>11s} (+/-{100 * c.margin:4.1f}%)  "
             f"step {c.step_time_s:.3f} s  {verdict}"
         )
     unsure = [c.mode for c in choices if c.margin > 0.5]
@@ -93,7 +110,7 @@ def explain(choices: List[Choice], budget_bytes: int, planned_tokens: int, measu
         faster = [c.mode for c in suite if (c.step_time_s or 0) < (best.step_time_s or 0) and not c.fits]
         why = f"; faster modes over budget: {', '.join(faster)}" if faster else "; it is the fastest mode measured"
         lines.append(f"Use: {best.mode} (fastest mode that fits{why}).")
-    size = f"{budget_bytes / gib:.3g}GiB"
+    size = _setting(budget_bytes)
     lines.append(
         f"Or let the suite choose per decoder layer what to keep and what to recompute under this budget, measured on "
         f"your model in the first step: budget: {size} in the activation_checkpointing block "
