@@ -350,6 +350,16 @@ def test_apply_selective_checkpointing_on_transformers_checkpointing():
     assert again.backward_ops[SDPA] == LAYERS
 
 
+def test_apply_selective_checkpointing_diagnoses_after_one_backward_of_the_checkpointed_layers():
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    handle = apply_selective_checkpointing(model, save=["attention"])
+    assert handle.diagnose_after == LAYERS // 2, "two of the four layers are recomputed in a backward"
+    fit(model)
+    assert handle.diagnosed, "after the first backward"
+    handle.remove()
+
+
 def test_apply_selective_checkpointing_registered_only():
     base = tiny_model("llama")
     model = clone(base)

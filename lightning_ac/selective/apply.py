@@ -110,7 +110,10 @@ def apply_selective_checkpointing(
             )
         originals.append(layer.__dict__.get("_gradient_checkpointing_func"))
     selfcheck.ensure(["selective"])  # on a newer torch or transformers than the tested ones, before it acts
-    policy = build_policy(config, model, layers)
+    # the diagnostics run after one backward: one recompute per checkpointed layer, not per layer
+    policy = build_policy(
+        config, model, layers, checkpointed=[bool(getattr(m, "gradient_checkpointing", False)) for m in layers.modules]
+    )
     policy.install()
     for layer in checkpointed:
         layer._gradient_checkpointing_func = functools.partial(
