@@ -113,6 +113,21 @@ def _boolean_choices_as_options(argv: List[str]) -> List[str]:
     return out
 
 
+def _selective_true_with_its_fields(argv: List[str]) -> List[str]:
+    """``activation_checkpointing.selective=true`` followed by ``activation_checkpointing.selective.<field>=...`` (the
+    README's route): Hydra would set a boolean and then fail to find a field in it, so ``true`` there means the
+    ``activation_checkpointing/selective=attention`` option (the same block: save attention), whose fields follow."""
+    keys = [arg.partition("=")[0].lstrip("+~") for arg in argv]
+    if not any(key.startswith("activation_checkpointing.selective.") for key in keys):
+        return argv
+    return [
+        "activation_checkpointing/selective=attention"
+        if key == "activation_checkpointing.selective" and arg.partition("=")[2].strip().lower() == "true"
+        else arg
+        for arg, key in zip(argv, keys)
+    ]
+
+
 def _user_set_block() -> bool:
     """Whether the command line chose or overrode the activation_checkpointing block."""
     overrides = HydraConfig.get().overrides.task
@@ -279,5 +294,5 @@ def _append_to_job_log(line: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = _boolean_choices_as_options(sys.argv)
+    sys.argv = _selective_true_with_its_fields(_boolean_choices_as_options(sys.argv))
     main()

@@ -76,6 +76,16 @@ def test_default_run_trains_and_writes_summary(tmp_path):
             {"selective": {"save": [], "save_modules": ["o_proj"]}},
             "2/2",
         ),
+        (  # the README's route to selective's fields: selective=true, then the fields
+            [
+                "activation_checkpointing=full",
+                "activation_checkpointing.selective=true",
+                "activation_checkpointing.selective.save=[attention]",
+                "activation_checkpointing.selective.save_modules=[o_proj]",
+            ],
+            {"selective": {"save": ["attention"], "save_modules": ["o_proj"]}},
+            "2/2",
+        ),
         pytest.param(  # the same block as selective_attn, by another syntax: slow session only
             ["activation_checkpointing=full", "activation_checkpointing.selective=true"],
             {"selective": {"save": ["attention"]}},
