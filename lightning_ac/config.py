@@ -547,6 +547,12 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         return ActivationCheckpointingConfig(enabled=False)
     if value is True:
         return ActivationCheckpointingConfig()
+    if isinstance(value, str):
+        raise ConfigError(
+            f"activation_checkpointing: expected true, false or a mapping, got the text {value!r}. YAML text is not "
+            "parsed here: load it first (OmegaConf.create(text) or yaml.safe_load(text)) and pass the mapping, or "
+            "pass a dict such as {'selective': True}."
+        )
     if not isinstance(value, Mapping):
         raise ConfigError(
             f"activation_checkpointing: expected true, false or a mapping, got {value!r}. "

@@ -205,3 +205,10 @@ def test_callbacks_from_config_checks_every_option_whatever_the_block(kwargs, fi
     for block in (False, True, {"selective": True}):
         with pytest.raises(ConfigError, match=re.escape(field)):
             callbacks_from_config(block, **kwargs)
+
+
+def test_yaml_text_is_refused_with_how_to_load_it():
+    with pytest.raises(ConfigError, match=r"got the text 'enabled: true.*load it first \(OmegaConf.create\(text\)"):
+        callbacks_from_config("enabled: true\nselective: true")
+    block = OmegaConf.create("enabled: true\nselective: true")
+    assert parse_config(block).selective is not None
