@@ -88,11 +88,16 @@ class SuiteCallback(Callback):
         plan, peers = self._plan, self._peers
         if plan is None:
             return
+        for cb in peers:
+            cb._keep_after_run(plan)
         try:
             plan.remove(after_exception)
         finally:
             for cb in peers:
                 cb._plan, cb._peers = None, []
+
+    def _keep_after_run(self, plan: Plan) -> None:
+        """What a callback keeps of the run's plan before it is removed (its figures, for after the run)."""
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
@@ -249,13 +254,9 @@ class ActivationCheckpointing(SuiteCallback):
         budget = self._plan.budget if self._plan is not None else None
         return budget.summary() if budget is not None else self._budget_summary
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        budget = self._plan.budget if self._plan is not None else None
-        if budget is not None:
-            self._budget_summary = budget.summary()
+    def _keep_after_run(self, plan: Plan) -> None:
+        if plan.budget is not None and plan.budget.steps:  # a run that trained (validate and test keep the fit's)
+            self._budget_summary = plan.budget.summary()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

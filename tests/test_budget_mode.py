@@ -372,10 +372,13 @@ def test_the_model_is_left_as_found_after_fit_validate_test_predict_and_exceptio
     trainer = make_trainer([callback], max_steps=3)
     trainer.fit(module, loader())
     assert model_fingerprint(module) == fingerprint and callback.plan is None
+    plan = callback.budget_plan
+    assert plan["line"].startswith("budget ") and len(plan["choices"]) == 4, "the run's plan, kept after it"
     trainer.validate(module, loader(), verbose=False)
     trainer.test(module, loader(), verbose=False)
     trainer.predict(module, loader())
     assert model_fingerprint(module) == fingerprint
+    assert callback.budget_plan == plan, "runs without training keep the fit's plan"
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer([ActivationCheckpointing(budget=between(references, 0.5)), Boom()], max_steps=4).fit(
             module, loader()

@@ -408,7 +408,7 @@ class BudgetController:
         self.corrections += 1
         if self.corrections > MAX_CORRECTIONS:  # it did not converge: the fastest choice measured under the budget
             under = [c for c, p in self._measured.items() if p <= budget]
-            best = min(under, key=lambda c: estimate(self.figures or [], c)[1]) if under else tuple(everything)
+            best = min(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)
             self._set(list(best))
             self._settle()
             return

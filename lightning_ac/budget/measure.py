@@ -48,6 +48,11 @@ def _bound_tensors(function: Callable[..., Any]) -> List[torch.Tensor]:
     return found
 
 
+def _parameter_storages(module: nn.Module, device: torch.device) -> Set[int]:
+    """The storage addresses of ``module``'s parameters on ``device``."""
+    return {key for p in module.parameters() if p.device == device and (key := _storage_key(p)) is not None}
+
+
 class _Storages:
     """The storages seen in a step, by address, each with a weak reference that tells a reused address apart."""
 
@@ -211,12 +216,7 @@ class LayerMeter:
         self._recomputed = False
         self._storages = _Storages()
         # storages of parameters (re-read each time: layer offloading moves them between steps)
-        self._parameters = {
-            key
-            for layer in self.layers
-            for p in layer.parameters()
-            if (key := _storage_key(p)) is not None and p.device == self.device
-        }
+        self._parameters = set().union(*(_parameter_storages(layer, self.device) for layer in self.layers))
 
     def stop(self) -> List[LayerReading]:
         """Stop measuring; each layer's reading of the calls since :meth:`start`."""
@@ -235,16 +235,12 @@ class LayerMeter:
         if not self.active:
             yield
             return
-        parameters = {key for p in root.parameters() if (key := _storage_key(p)) is not None}
+        parameters = _parameter_storages(root, self.device)
         last = self.readings[-1] if self.readings else None
 
         def count(tensor: torch.Tensor) -> None:
-            if self._depth or tensor.device != self.device or isinstance(tensor, nn.Parameter):
-                return  # inside a layer (its own count sees it), or not an activation
-            if isinstance(getattr(tensor, "_base", None), nn.Parameter) or _storage_key(tensor) in parameters:
-                return
-            if self._storages.first_sight(tensor) is None:
-                return
+            if self._depth or self._new_activation(tensor, parameters) is None:
+                return  # inside a layer (its own count sees it), or not a new activation
             if last is not None and last.calls:
                 self.head_bytes += _nbytes(tensor)
             else:
@@ -299,11 +295,7 @@ class LayerMeter:
             self._storages.first_sight(tensor)
 
         def count(tensor: torch.Tensor) -> None:
-            if tensor.device != self.device or isinstance(tensor, nn.Parameter):
-                return
-            if isinstance(getattr(tensor, "_base", None), nn.Parameter) or _storage_key(tensor) in self._parameters:
-                return
-            key = self._storages.first_sight(tensor)
+            key = self._new_activation(tensor, self._parameters)
             if key is None:
                 return
             size = _nbytes(tensor)
@@ -329,6 +321,15 @@ class LayerMeter:
         if self.active:
             self.tokens = max(self.tokens, tokens)
         return tokens
+
+    def _new_activation(self, tensor: torch.Tensor, parameters: Set[int]) -> Optional[int]:
+        """The storage address of ``tensor`` if it is an activation on the device not seen alive yet this step (not a
+        parameter, nor a view of one), else ``None``."""
+        if tensor.device != self.device or isinstance(tensor, nn.Parameter):
+            return None
+        if isinstance(getattr(tensor, "_base", None), nn.Parameter) or _storage_key(tensor) in parameters:
+            return None
+        return self._storages.first_sight(tensor)
 
     def _input_storages(self, args: Sequence[Any]) -> Dict[int, int]:
         found: Dict[int, int] = {}
