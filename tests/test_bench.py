@@ -128,7 +128,8 @@ def test_the_planner_says_which_modes_it_does_not_plan(tmp_path, monkeypatch):
     tiny_preset(monkeypatch)
     bench.main(["--preset", "tiny", "--modes", "off", "full", "lora_full", "--budget-gib", "1", "--out", str(tmp_path)])
     plan = (tmp_path / "plan.txt").read_text()
-    assert "Use: off" in plan and "Not planned: lora_full (layer offloading saves weights" in plan
+    # both fit: which is faster at this size is noise
+    assert ("Use: off " in plan or "Use: full " in plan) and "Not planned: lora_full (layer offloading saves" in plan
 
 
 def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):

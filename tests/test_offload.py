@@ -327,6 +327,29 @@ def test_engine_host_memory_error_before_oom(engine):
         engine.pack(torch.ones(200), "all")
 
 
+@pytest.mark.parametrize(
+    "checkpointing, offload, fix",
+    [
+        (
+            {"selective": True},
+            {"selective": "cpu"},
+            "(offload.selective off, or fewer activation_checkpointing.selective",
+        ),
+        ({}, {"hidden_states": "cpu"}, "(offload.hidden_states off)"),
+        ({"selective": True}, {"all": "cpu", "selective": "cpu"}, "(offload.hidden_states instead of offload.all; or "),
+    ],
+)
+def test_host_memory_error_names_the_targets_in_force(llama, checkpointing, offload, fix):
+    # It said "offload.hidden_states instead of offload.all" whichever targets were on.
+    # a reserve larger than any host leaves no room: the first offloaded tensor raises
+    offloading = ActivationOffload(copy_on_host=True, host_reserve_bytes=2**60, **offload)
+    with pytest.raises(HostMemoryError, match="of host memory") as raised:
+        fit(llama, [ActivationCheckpointing(**checkpointing), offloading])
+    message = str(raised.value)
+    assert fix in message, message
+    assert ("offload.all" in message) == ("all" in offload), message
+
+
 def test_engine_stash_is_bounded():
     engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=2)
 

@@ -25,7 +25,13 @@ from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import OFFLOAD_TARGETS, ActivationOffloadRequest
 from lightning_ac.offload.engine import Packed, TransferEngine
 
-__all__ = ["ActivationOffloadRuntime", "SavedTensorOffloader", "offloading_checkpoint", "offloading_sac_storage"]
+__all__ = [
+    "ActivationOffloadRuntime",
+    "SavedTensorOffloader",
+    "offload_less",
+    "offloading_checkpoint",
+    "offloading_sac_storage",
+]
 
 
 class SavedTensorOffloader:
@@ -233,6 +239,20 @@ def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., An
     return factory
 
 
+# What offloading less means for each target, as a HostMemoryError suggests it.
+_OFFLOAD_LESS = {
+    "all": "offload.hidden_states instead of offload.all",
+    "selective": "offload.selective off, or fewer activation_checkpointing.selective.save rules",
+    "hidden_states": "offload.hidden_states off",
+}
+
+
+def offload_less(targets: Sequence[str]) -> str:
+    """The fix a :class:`~lightning_ac.offload.HostMemoryError` suggests, for the targets in force."""
+    ways = [_OFFLOAD_LESS[target] for target in ("all", "selective", "hidden_states") if target in targets]
+    return f"Offload less ({'; or '.join(ways)}), lower the batch size or sequence length, or add host memory."
+
+
 class ActivationOffloadRuntime:
     """The engine and the targets of one run: what the plan installs for activation offloading.
 
@@ -248,6 +268,7 @@ class ActivationOffloadRuntime:
             copy_on_host=request.copy_on_host,
             max_pinned_bytes=request.max_pinned_bytes,
             host_reserve_bytes=request.host_reserve_bytes,
+            host_memory_fix=offload_less(offload.targets),
         )
         self.targets = offload.targets
         self.hidden_states = (

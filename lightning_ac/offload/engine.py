@@ -97,6 +97,8 @@ class TransferEngine:
         prefetch: How many saves ahead backward brings back.
         host_reserve_bytes: Host memory left free: offloading past ``MemAvailable - reserve`` raises
             :class:`HostMemoryError` instead of letting the OOM killer end the run.
+        host_memory_fix: What that error tells the user to do, one sentence (the engine does not know which
+            targets use it; :class:`~lightning_ac.offload.activations.ActivationOffloadRuntime` names them).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class TransferEngine:
         stash_size: int = 16,
         prefetch: int = 1,
         host_reserve_bytes: int = 2 * 2**30,
+        host_memory_fix: str = "Offload less, lower the batch size or sequence length, or add host memory.",
     ) -> None:
         self.device = torch.device(device)
         self.on_accelerator = self.device.type != "cpu"
@@ -117,6 +120,7 @@ class TransferEngine:
         self.stash_size = stash_size
         self.prefetch = prefetch
         self.host_reserve_bytes = host_reserve_bytes
+        self.host_memory_fix = host_memory_fix
         self.stats: Dict[str, OffloadStats] = collections.defaultdict(OffloadStats)
         self.last_step: Dict[str, Dict[str, int]] = {}
         # storage address -> weak reference: a storage freed since (a parameter moved) no longer matches
@@ -241,8 +245,7 @@ class TransferEngine:
             self._bytes_this_step,
             self._host_limit,
             self.host_reserve_bytes,
-            "Offload less (offload.hidden_states instead of offload.all), lower the batch size or sequence length, "
-            "or add host memory.",
+            self.host_memory_fix,
         )
 
     def _copy_to_host(self, tensor: torch.Tensor, storage: Any, start: int, nbytes: int, target: str) -> _HostCopy:
