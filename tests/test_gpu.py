@@ -303,3 +303,83 @@ def test_budget_auto_reads_the_free_device_memory(caplog):
     assert 0 < controller.budget_bytes < total
     assert any("budget auto:" in m for m in caplog.messages)
     assert controller.choices == [Choice.keep] * 4, "a tiny model fits in what a GPU has free"
+
+
+# -- the peers' bug classes on CUDA streams (their simulated twins: tests/test_peer_bug_classes.py) ---------------
+
+
+def test_cuda_views_at_an_offset_and_transposes_come_back_as_the_same_views():
+    from test_peer_bug_classes import ViewsLM
+
+    from lightning_ac import ActivationOffload
+
+    base = tiny_model("llama")
+    reference = gpu_fit(clone(base), max_steps=2, module_cls=ViewsLM)
+    run = gpu_fit(clone(base), [ActivationOffload(all="cpu", min_offload_bytes=0)], max_steps=2, module_cls=ViewsLM)
+    assert reference.losses == run.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
+class _UserStream(pl.Callback):
+    """Runs training step 1 on a CUDA stream of the user's (ordered after the default stream's work and before its
+    next), as a user or FSDP2 switches streams between steps."""
+
+    def __init__(self) -> None:
+        self.stream = None
+        self._active = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self._active = torch.cuda.stream(self.stream)
+            self._active.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._active is not None:
+            self._active.__exit__(None, None, None)
+            self._active = None
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
+@pytest.mark.parametrize("suite", ["hidden_states", "all", "layer_offload"])
+def test_cuda_compute_stream_switched_between_steps(suite):
+    from lightning_ac import ActivationOffload, LayerOffload
+
+    base = tiny_model("llama", lora=suite == "layer_offload")
+    reference = gpu_fit(clone(base), max_steps=3)
+    callbacks = {
+        "hidden_states": [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu")],
+        "all": [ActivationOffload(all="cpu", min_offload_bytes=0)],
+        "layer_offload": [ActivationCheckpointing(), LayerOffload()],
+    }[suite]
+    run = gpu_fit(clone(base), [_UserStream(), *callbacks], max_steps=3)
+    assert reference.losses == run.losses
+
+
+def test_cuda_host_and_device_memory_steady_over_a_long_run():
+    from conftest import LM, batches, make_trainer
+    from test_peer_bug_classes import HostBytesAtSteps, assert_steady
+
+    from lightning_ac import ActivationOffload
+
+    class DeviceBytes(pl.Callback):
+        def __init__(self):
+            self.bytes = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in (3, 12, 24):
+                torch.cuda.synchronize()
+                self.bytes.append(torch.cuda.memory_allocated())
+
+    host, device = HostBytesAtSteps(steps=(3, 12, 24)), DeviceBytes()
+    callbacks = [
+        ActivationCheckpointing(selective=True),
+        ActivationOffload(selective="cpu", all="cpu", min_offload_bytes=0),
+        host,
+        device,
+    ]
+    make_trainer(callbacks, max_steps=24, accelerator="gpu").fit(LM(tiny_model("llama")), batches(n=24))
+    assert_steady(host)
+    assert device.bytes[0] == device.bytes[-1], device.bytes

@@ -16,9 +16,14 @@ something waits for it.
   memory a pending copy on another stream writes (or reads, when it writes) must be ordered after that copy
   (``wait_event``/``wait_stream``). A copy that reads a tensor the compute stream produced must be issued after
   the side stream waited on the compute stream.
+- **Compute streams.** The training computation runs on the CPU, eagerly, on whichever compute stream is
+  current: the device's own (:attr:`SimulatedDevice.compute`) or one made with ``new_stream(compute=True)`` and
+  entered with ``use_stream`` (as a user or FSDP2 switches streams). A wait issued on a compute stream that is
+  not computing now holds until that stream computes again, so transfer code that waits on a stream it looked up
+  earlier, not on the one computing, reads poison.
 - **Device memory.** Every device allocation is counted by role (the part of its role before any ``:``) until
-  it is freed, and, when it was ``record_stream``'d to the compute stream, until the device has reached the
-  point where it was freed (an event recorded on the compute stream after it, synchronized). Peaks are in
+  it is freed, and, when it was ``record_stream``'d to a compute stream, until the device has reached the
+  point where it was freed (an event recorded on that stream after it, synchronized). Peaks are in
   :attr:`SimulatedDevice.peak_bytes`; the most copies in flight on each stream in
   :attr:`SimulatedDevice.peak_in_flight`.
 
@@ -110,8 +115,8 @@ class _Allocation:
     role: str
     stream: SimStream
     seq: int  # the stream's position when allocated: the copy that fills it comes after
-    recorded_to_compute: bool = False
-    freed_at: Optional[int] = None  # compute-stream position when the transfer code freed it
+    recorded_to: Optional[SimStream] = None  # the compute stream it was record_stream'd to
+    freed_at: Optional[int] = None  # that compute stream's position when the transfer code freed it
 
 
 class SimEvent:
@@ -131,15 +136,17 @@ class SimEvent:
 
 
 class SimStream:
-    """A stream of the simulated device: work queued in order, run only when waited for."""
+    """A stream of the simulated device: work queued in order, run only when waited for; or, for a compute stream
+    (``compute=True``), the CPU's eager computation, which waits at once when it is the stream computing."""
 
-    def __init__(self, sim: SimulatedDevice, name: str) -> None:
-        self.sim, self.name = sim, name
+    def __init__(self, sim: SimulatedDevice, name: str, compute: bool = False) -> None:
+        self.sim, self.name, self.compute = sim, name, compute
         self.issued = 0  # positions handed out: one per queued item or compute-stream event
         self.completed = 0
         self.queue: collections.deque = collections.deque()
         self.after: Dict[SimStream, int] = {}  # for each other stream, the position this stream is ordered after
-        self.waited_on_compute = False  # since the last copy of a compute-produced tensor
+        self.waited_on: set = set()  # compute streams waited on since the last copy of a compute-produced tensor
+        self.held_waits: List[SimEvent] = []  # a compute stream's waits issued while another one computed
 
     def _next(self) -> int:
         self.issued += 1
@@ -147,17 +154,20 @@ class SimStream:
 
     def record_event(self) -> SimEvent:
         self.sim._poll()
-        return SimEvent(self, self._next() if self is self.sim.compute else self.issued)
+        return SimEvent(self, self._next() if self.compute else self.issued)
 
     def wait_event(self, event: SimEvent) -> None:
         self.sim._poll()
-        if self is self.sim.compute:
+        if self.compute:
             if event.stream is not self and self.sim._inject("skip_wait"):
                 return  # the fault: compute goes on without waiting for the copy
+            if self is not self.sim.computing():
+                self.held_waits.append(event)  # this stream's next op comes after the event, not the running one's
+                return
             event.synchronize()  # compute is the CPU: its next op runs now, after the event
             return
-        if event.stream is self.sim.compute:
-            self.waited_on_compute = True
+        if event.stream.compute:
+            self.waited_on.add(event.stream)
         self.after[event.stream] = max(self.after.get(event.stream, 0), event.seq)
         self.queue.append(_Wait(event.stream, event.seq))
         self._next()
@@ -171,7 +181,7 @@ class SimStream:
     def run_until(self, seq: int) -> None:
         """Run queued work in order until this stream has passed ``seq``."""
         self.sim._poll()  # memory given up since the last call, under copies about to run
-        if self is self.sim.compute:
+        if self.compute:
             self.completed = max(self.completed, seq)
             self.sim._poll()
             return
@@ -212,9 +222,10 @@ class SimulatedDevice(AsyncDevice):
             raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
         self.faults = list(faults)  # each injected once, into the first asynchronous transfer it can affect
         self.device = torch.device("cpu")
-        self.compute = SimStream(self, "compute")
+        self.compute = SimStream(self, "compute", compute=True)
         self.streams: List[SimStream] = []
         self._current: List[SimStream] = [self.compute]
+        self._user_compute: List[SimStream] = []  # compute streams made with new_stream(compute=True) and entered
         self._allocations: List[_Allocation] = []  # device memory not yet reusable
         self._stats = _Stats()
         self._errors: List[str] = []
@@ -248,26 +259,50 @@ class SimulatedDevice(AsyncDevice):
         """The whole device idle: every stream run to its end, the compute stream too."""
         for stream in self.streams:
             stream.synchronize()
-        self.compute.synchronize()
+        for stream in self.compute_streams:
+            stream.synchronize()
         self._poll()
 
     # -- AsyncDevice ----------------------------------------------------------------------------------------
 
-    def new_stream(self) -> SimStream:
+    def new_stream(self, compute: bool = False) -> SimStream:
+        """A side stream; with ``compute``, a stream the training computation can run on (``use_stream``)."""
+        if compute:
+            return SimStream(self, f"compute stream {len(self.compute_streams)}", compute=True)
         stream = SimStream(self, f"side stream {len(self.streams)}")
         self.streams.append(stream)
         return stream
 
+    @property
+    def compute_streams(self) -> List[SimStream]:
+        return [self.compute, *self._user_compute]
+
     def current_stream(self) -> SimStream:
         return self._current[-1]
 
+    def computing(self) -> SimStream:
+        """The compute stream the CPU's ops run on now (below any side stream made current for a copy)."""
+        return next(stream for stream in reversed(self._current) if stream.compute)
+
     @contextlib.contextmanager
     def use_stream(self, stream: SimStream) -> Iterator[None]:
+        if stream.compute and stream is not self.compute and stream not in self._user_compute:
+            self._user_compute.append(stream)
         self._current.append(stream)
+        self._resume(stream)
         try:
             yield
         finally:
             self._current.pop()
+            self._resume(self.computing())
+
+    @staticmethod
+    def _resume(stream: SimStream) -> None:
+        """A compute stream computes again: its first op comes after what it waited for while another computed."""
+        if stream.compute:
+            held, stream.held_waits = stream.held_waits, []
+            for event in held:
+                event.synchronize()
 
     def _empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
         """Device memory, allocated on the current stream (poisoned, counted)."""
@@ -291,14 +326,16 @@ class SimulatedDevice(AsyncDevice):
 
     def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
         stream = self.current_stream()
-        if stream is not self.compute and self._allocation(source) is None:
-            if not stream.waited_on_compute:
+        if not stream.compute and self._allocation(source) is None:
+            computing = self.computing()
+            if computing not in stream.waited_on:
                 self._fail(
                     f"{role}: copying a tensor the compute stream produced on {stream.name}, which has not waited on "
-                    "the compute stream since its last such copy; on a device the copy could read the tensor before "
-                    "its kernel has written it (wait_stream(current) before the copy)"
+                    f"the compute stream ({computing.name}, the one computing now) since its last such copy; on a "
+                    "device the copy could read the tensor before its kernel has written it (wait_stream(current) "
+                    "before the copy)"
                 )
-            stream.waited_on_compute = False
+            stream.waited_on = set()
         self._enqueue(host, source, role)
 
     def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
@@ -309,7 +346,7 @@ class SimulatedDevice(AsyncDevice):
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
         self._poll()
         stream = self.current_stream()
-        if stream is self.compute:
+        if stream.compute:
             dst.copy_(src)
             return
         self._check_order(stream, dst, src, role)
@@ -335,17 +372,21 @@ class SimulatedDevice(AsyncDevice):
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         allocation = self._allocation(tensor)
-        if allocation is not None and stream is self.compute:
-            allocation.recorded_to_compute = True
+        if allocation is not None and stream.compute:
+            allocation.recorded_to = stream
 
     def recorded_to_compute(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory, allocated on a side stream, was ``record_stream``'d to the compute stream.
+        """Whether ``tensor``'s memory, allocated on a side stream, was ``record_stream``'d to a compute stream.
 
         The simulator cannot see a missing ``record_stream`` by itself (its compute stream has finished with a
         tensor before any of its memory could be reused); tests ask this of what the engines hand to compute.
         """
+        return self.recorded_to(tensor) is not None
+
+    def recorded_to(self, tensor: torch.Tensor) -> Optional[SimStream]:
+        """The compute stream ``tensor``'s memory was ``record_stream``'d to, if any."""
         allocation = self._allocation(tensor)
-        return allocation is not None and allocation.recorded_to_compute
+        return allocation.recorded_to if allocation is not None else None
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)  # host memory is host memory here
@@ -418,11 +459,13 @@ class SimulatedDevice(AsyncDevice):
                             "copy ran (its last reference dropped): on a device the copy would touch freed memory"
                         )
         for allocation in list(self._allocations):
+            recorded = allocation.recorded_to
             if allocation.freed_at is None and allocation.storage.expired():
-                # Memory record_stream'd to the compute stream is reusable once compute has passed the free; other
+                # Memory record_stream'd to a compute stream is reusable once that stream has passed the free; other
                 # memory at once (the allocator reuses it in its own stream's order).
-                allocation.freed_at = self.compute._next() if allocation.recorded_to_compute else 0
-            if allocation.freed_at is not None and self.compute.completed >= allocation.freed_at:
+                allocation.freed_at = recorded._next() if recorded is not None else 0
+            done = recorded.completed if recorded is not None else 0
+            if allocation.freed_at is not None and done >= allocation.freed_at:
                 self._allocations.remove(allocation)
         self._count_bytes()
         self._raise_errors()
