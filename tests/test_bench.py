@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -196,14 +197,21 @@ def test_one_statistic_and_ratios_that_noise_decided_are_marked():
     assert "| 1.020 | 1.02x~ |" in table and "~: within noise" in table
 
 
-def test_labels_of_points_that_sit_together_are_stacked_and_kept_inside():
-    offsets = bench.label_offsets([(1.0, 55.0), (1.0, 55.0), (1.01, 55.2), (2.0, 300.0), (1.5, 100.0)])
-    assert [dy for _, dy, _ in offsets[:3]] == [4, -7, -18], "one line apart, not over each other"
-    # a chain of close points: each takes a line none of its close neighbours uses
-    chain = bench.label_offsets([(0.50, 1.0), (0.54, 1.0), (0.58, 1.0), (0.0, 0.0), (1.0, 2.0)])
-    assert [dy for _, dy, _ in chain[:3]] == [4, -7, 4]
-    assert offsets[3][2] == "right" and offsets[3][0] < 0, "the rightmost label goes to its point's left"
-    assert offsets[4][1] == 4
+def test_labels_of_points_that_sit_together_are_kept_apart_and_led_to_their_points():
+    """The placement itself, in display pixels: a label goes next to its point's right, or its left where the area
+    ends or an obstacle (the legend) sits there; the labels of points that sit on one another move away, each with
+    a leader line, and never overlap; all stay inside the area, and the same points give the same placement."""
+    points = [(100.0, 100.0), (103.0, 100.0), (100.0, 102.0), (300.0, 200.0), (395.0, 150.0), (200.0, 50.0)]
+    sizes, area = [(60.0, 12.0)] * len(points), (0.0, 0.0, 400.0, 300.0)
+    offsets = bench.label_offsets(points, sizes, area, obstacles=[(230.0, 20.0, 330.0, 80.0)], gap=7.0)
+    boxes = [(x + dx - 30, y + dy - 6, x + dx + 30, y + dy + 6) for (x, y), (dx, dy, _) in zip(points, offsets)]
+    for a, b in itertools.combinations(boxes, 2):
+        assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
+    assert all(0 <= x0 and x1 <= 400 and 0 <= y0 and y1 <= 300 for x0, y0, x1, y1 in boxes)
+    assert [moved for _, _, moved in offsets] == [True, True, True, False, False, False]
+    assert offsets[3] == (37.0, 0.0, False), "next to its point, on the right"
+    assert offsets[4] == offsets[5] == (-37.0, 0.0, False), "the area's edge and the obstacle: on the left"
+    assert bench.label_offsets(points, sizes, area, obstacles=[(230.0, 20.0, 330.0, 80.0)], gap=7.0) == offsets
 
 
 @pytest.mark.parametrize(
@@ -227,3 +235,60 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     assert "(default: bench_out)" in capsys.readouterr().out
+
+
+# cpu-small's measurements, with the three checkpoint-everything modes within 0.1 MiB and 6 ms of each other
+CLOSE_ROWS = [
+    ("off", 343.4, 0.412),
+    ("selective_attn_mm", 212.0, 0.430),
+    ("budget_75", 271.0, 0.428),
+    ("every_2", 185.2, 0.445),
+    ("budget_50", 186.0, 0.447),
+    ("selective_attn", 83.5, 0.470),
+    ("budget_25", 108.0, 0.466),
+    ("full", 55.2, 0.479),
+    ("offload_hidden", 57.0, 0.486),
+    ("hf_native_full", 55.3, 0.482, "anchor"),
+    ("torch_checkpoint_wrapper", 55.2, 0.476, "anchor"),
+]
+
+
+def test_plot_labels_of_close_points_never_overlap_and_stay_inside_the_figure(tmp_path, monkeypatch):
+    """On the drawn figure (the renderer's boxes, in display pixels): no two labels overlap, none leaves the
+    figure or covers a marker, and a label away from its point has a leader line to that point."""
+    import matplotlib.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    figures = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # the figure plot() draws, to measure after it has saved and closed it
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    rows = [_row(mode, int(mib * 2**20), step, *kind) for mode, mib, step, *kind in CLOSE_ROWS]
+    bench.plot(rows, tmp_path / "memory_time.png")
+    assert (tmp_path / "memory_time.png").stat().st_size > 1000
+    (fig,) = figures
+    ax = fig.axes[0]
+    canvas = FigureCanvasAgg(fig)  # pyplot's canvas went with plt.close
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    labels = {t.get_text(): t for t in ax.texts}
+    assert sorted(labels) == sorted(r.mode for r in rows)
+    boxes = {mode: Text.get_window_extent(t, renderer) for mode, t in labels.items()}  # the text, not its leader
+    for a, b in itertools.combinations(sorted(boxes), 2):
+        assert not boxes[a].overlaps(boxes[b]), f"the labels of {a} and {b} overlap"
+    markers = {r.mode: ax.transData.transform((r.step_time_s, r.peak_activation_bytes / 2**20)) for r in rows}
+    for mode, box in boxes.items():
+        assert fig.bbox.containsx(box.x0) and fig.bbox.containsx(box.x1), f"{mode}'s label leaves the figure"
+        assert fig.bbox.containsy(box.y0) and fig.bbox.containsy(box.y1), f"{mode}'s label leaves the figure"
+        covered = [other for other, (x, y) in markers.items() if box.padded(2).contains(x, y)]
+        assert not covered, f"{mode}'s label covers the marker of {covered}"
+        # a label more than a few pixels from its own point says whose it is with a leader line to that point
+        x, y = markers[mode]
+        far = max(box.x0 - x, x - box.x1, box.y0 - y, y - box.y1) > 14
+        assert not far or labels[mode].arrow_patch is not None, f"{mode}'s label is away from its point, unled"
+        assert tuple(labels[mode].xy) == pytest.approx(ax.transData.inverted().transform(markers[mode]))
