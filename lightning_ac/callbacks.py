@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
@@ -200,9 +200,9 @@ class ActivationCheckpointing(SuiteCallback):
         implementation: str = "hf",
         reentrant: Optional[bool] = None,
         kwargs: Optional[Mapping[str, Any]] = None,
-        selective: Any = None,
+        selective: Union[bool, Mapping[str, Any], None] = None,
         layers: Optional[Sequence[LayerSpec]] = None,
-        budget: Any = None,
+        budget: Union[int, str, None] = None,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
@@ -328,9 +328,9 @@ class ActivationOffload(SuiteCallback):
     def __init__(
         self,
         *,
-        hidden_states: Any = "none",
-        selective: Any = "none",
-        all: Any = "none",
+        hidden_states: Union[str, bool] = "none",
+        selective: Union[str, bool] = "none",
+        all: Union[str, bool] = "none",
         copy_on_host: bool = False,
         min_offload_bytes: int = 2**16,
         max_pinned_bytes: int = 8 * 2**30,
