@@ -146,7 +146,8 @@ def test_hydra_path_parses_once(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / "count_parses.py"), f"hydra.run.dir={tmp_path}",
          "activation_checkpointing=offload_hidden_selective", "offload_copy_on_host=true", "trainer.max_steps=2",
-         "measure.warmup_steps=0", "measure.memory_step=1"],
+         "measure.warmup_steps=0", "measure.memory_step=1", "model.config.hidden_size=64",
+         "model.config.intermediate_size=128", "data.seq_len=32", "data.batch_size=2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -59,22 +59,31 @@ def test_default_run_trains_and_writes_summary(tmp_path):
     [
         (["activation_checkpointing=full"], {"enabled": True}, "2/2"),
         (["activation_checkpointing=every_2"], {"kwargs": {"every_n_layers": 2}}, "1/2"),
-        (["activation_checkpointing=full", "activation_checkpointing.reentrant=true"], {"reentrant": True}, "2/2"),
+        # each case is a process of its own: the ones whose block is also run elsewhere go to the slow session
+        pytest.param(  # reentrant: test_checkpointing, test_offload
+            ["activation_checkpointing=full", "activation_checkpointing.reentrant=true"],
+            {"reentrant": True},
+            "2/2",
+            marks=pytest.mark.slow,
+        ),
         # qwen3 also runs in test_a_boolean_mode_and_a_run_too_short_to_measure: slow session only
         pytest.param(
             ["model=qwen3", "activation_checkpointing=full"], {"enabled": True}, "2/2", marks=pytest.mark.slow
         ),
-        (["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2"),
+        pytest.param(  # gemma3: test_checkpointing, test_selective
+            ["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2", marks=pytest.mark.slow
+        ),
         (["activation_checkpointing=selective_attn"], {"selective": {"save": ["attention"]}}, "2/2"),
-        (
+        (  # the nested selective group (the README's first route to SAC)
             ["activation_checkpointing=full", "activation_checkpointing/selective=attention_mm"],
             {"selective": {"save": ["attention", "aten::mm"]}},
             "2/2",
         ),
-        (
+        pytest.param(  # save_modules: the README's route below sets it too
             ["activation_checkpointing=full", "activation_checkpointing.selective={save:[],save_modules:[o_proj]}"],
             {"selective": {"save": [], "save_modules": ["o_proj"]}},
             "2/2",
+            marks=pytest.mark.slow,
         ),
         (  # the README's route to selective's fields: selective=true, then the fields
             [
@@ -171,20 +180,35 @@ def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
             ["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"],
             ["every_n_layers", ">= 1"],
         ),
-        (
+        # The block's rules are tested without a run (test_config, test_legacy); these reach them through the job,
+        # each a process of its own: the slow session runs them
+        pytest.param(
             ["activation_checkpointing=off", "activation_checkpointing.reentrant=true"],
             ["enabled is false", "reentrant"],
+            marks=pytest.mark.slow,
         ),
-        (["activation_checkpointing=full", "+activation_checkpointing.kwargs.use_cache=false"], ["use_cache"]),
-        (["+gradient_checkpointing=offload_disk"], ["offload_disk", "pending a fix"]),
-        (["activation_checkpointing=full", "+gradient_checkpointing=true"], ["next to activation_checkpointing"]),
-        (
+        pytest.param(
+            ["activation_checkpointing=full", "+activation_checkpointing.kwargs.use_cache=false"],
+            ["use_cache"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["+gradient_checkpointing=offload_disk"], ["offload_disk", "pending a fix"], marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["activation_checkpointing=full", "+gradient_checkpointing=true"],
+            ["next to activation_checkpointing"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             ["activation_checkpointing=selective_attn", "activation_checkpointing.reentrant=true"],
             ["requires non-reentrant"],
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             ["activation_checkpointing=selective_attn", "activation_checkpointing.selective.save_matmul_min_k=0"],
             ["save_matmul_min_k"],
+            marks=pytest.mark.slow,
         ),
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
@@ -316,6 +340,7 @@ def test_multirun_records_a_bad_value_and_runs_the_other_jobs(tmp_path):
     assert [(r["job"], r["error"]) for r in rows] == [("0", "")]
 
 
+@pytest.mark.slow  # a sweep with a failing job runs in the default session (test_multirun_records_a_bad_value...)
 def test_multirun_records_a_crashed_job(tmp_path):
     result = train(tmp_path, "optim.lr=-1.0,0.001", multirun=True)  # AdamW refuses a negative learning rate
     assert result.returncode == 1 and "Invalid learning rate" in result.stderr  # Hydra's report, after the batch
