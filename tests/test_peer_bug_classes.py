@@ -104,6 +104,7 @@ def test_neighbouring_views_of_one_storage_come_back_unclobbered(transfer):
 # -- an offset tensor read before the wait for its reload (TRL #7195) -------------------------------------------
 
 
+@pytest.mark.simulated
 def test_an_offset_view_is_read_only_after_its_reload_has_landed():
     # The peer cloned an offset tensor before the compute stream waited for its reload, and cloned garbage. Here
     # copies land only when waited for (until then their memory is poison): what compute reads of each unpacked
@@ -176,6 +177,7 @@ def test_a_compute_stream_switched_between_steps_is_the_one_waited_on(suite):
 # -- a reload racing its own device-to-host copy (Megatron #7398) ------------------------------------------------
 
 
+@pytest.mark.simulated
 def test_a_reload_right_after_the_forward_waits_for_its_own_copy_to_the_host():
     # Backward that comes right after forward reloads tensors whose copy to the host has not finished: the reload
     # must be ordered after it (the simulator refuses a copy that reads host memory a pending copy writes).
