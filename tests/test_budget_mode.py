@@ -270,6 +270,32 @@ def test_resume_starts_from_the_settled_plan(references, tmp_path, caplog):
     assert any("measuring again" in m for m in caplog.messages)
 
 
+def test_a_resumed_plan_is_checked_by_its_first_step(references, tmp_path, caplog):
+    # A checkpoint's plan made for activations this run does not have (another precision, other save rules, another
+    # model of as many layers): here figures a tenth of the model's, which keep every layer. On the CPU a settled
+    # plan is not measured again, so the resumed run went over the budget for good; its first step now checks it.
+    budget = between(references, 0.5)
+    train(references["base"], [ActivationCheckpointing(budget=budget)], steps=4, default_root_dir=tmp_path,
+          enable_checkpointing=True)  # fmt: skip
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=False)
+    plan = state["callbacks"]["ActivationCheckpointing"]["budget_plan"]
+    plan["figures"] = [{**f, "saved_bytes": f["saved_bytes"] // 10} for f in plan["figures"]]
+    plan["choices"] = [Choice.keep.value] * 4
+    torch.save(state, ckpt)
+    caplog.clear()
+    resumed, metrics, probe = (
+        StepLM(clone(references["base"])),
+        StepMetrics(measure_step=7, warmup_steps=0),
+        Controller(),
+    )
+    trainer = make_trainer([ActivationCheckpointing(budget=budget), metrics, probe], max_steps=8)
+    trainer.fit(resumed, loader(seqs=(32,) * 8), ckpt_path=ckpt)
+    assert any("resuming with the checkpoint's plan" in m and "its first step checks it" in m for m in caplog.messages)
+    assert probe.choices[0] != [Choice.keep] * 4, "the first step's peak was over the budget: more recompute"
+    assert probe.budget.settled and metrics.peak.activation_bytes <= budget
+
+
 # -- compositions: bit-exact with everything else in the block ----------------------------------------------------
 
 

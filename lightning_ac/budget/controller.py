@@ -118,6 +118,7 @@ class BudgetController:
         self.measured_peak: Optional[int] = None
         self.corrections = 0
         self.phase = _MEASURE
+        self._resumed = False  # a checkpoint's plan, not checked by a step of this run yet
         self.steps = 0
         self.in_step = False
         self._measurement: Any = None
@@ -202,7 +203,9 @@ class BudgetController:
         if readings is not None:
             self._take_selective(readings)
         if peak is not None:
-            self._check(peak)
+            # a run's first step allocates what only a first step does: it is not held against later choices
+            self._check(peak, first=self._resumed)
+            self._resumed = False
 
     def abort_step(self) -> None:
         """After an exception: nothing measured stays active."""
@@ -231,7 +234,9 @@ class BudgetController:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Start from a saved plan, unless it was made for another model or budget (then measure again)."""
+        """Start from a saved plan, unless it was made for another number of layers or another budget (then measure
+        again). The resumed run's first step is measured and checks the plan like any choice: what the saved figures
+        cannot see (another precision, other save rules, another model of as many layers) corrects it there."""
         requested = self.budget_bytes if self.requested != AUTO else state.get("budget_bytes")
         if state.get("layers") != len(self.switches) or state.get("budget_bytes") != requested:
             rank_zero_info(
@@ -249,8 +254,8 @@ class BudgetController:
         self.outside_bytes, self.head_bytes = int(state["outside_bytes"]), int(state["head_bytes"])
         self.full_seconds = float(state["full_seconds"])
         self._set([Choice(c) for c in state["choices"]])
-        self.phase = _SETTLED
-        rank_zero_info(f"budget: resuming with the checkpoint's plan ({self._summary()})")
+        self.phase, self._resumed = _CHECK, True
+        rank_zero_info(f"budget: resuming with the checkpoint's plan ({self._summary()}); its first step checks it")
 
     # -- the loop ---------------------------------------------------------------------------------------------
 
