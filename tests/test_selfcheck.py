@@ -426,13 +426,30 @@ def test_the_users_block_is_still_parsed_once_on_an_untested_release(monkeypatch
 
 
 def test_python_m_lightning_ac_selfcheck_says_what_works(capsys, monkeypatch):
-    assert selfcheck.main() == 0
+    assert selfcheck.main([]) == 0
     out = capsys.readouterr().out
     assert f"{len(selfcheck.FEATURES)}/{len(selfcheck.FEATURES)} features work with torch " in out
     _sac_ignores_the_policy(monkeypatch)
-    assert selfcheck.main() == 1
+    assert selfcheck.main([]) == 1
     out = capsys.readouterr().out
     assert "FAIL selective: lightning_ac: selective does not work with torch" in out and "ok   layer_offloading" in out
+
+
+def test_python_m_lightning_ac_selfcheck_takes_features_and_help(capsys):
+    # --help ran every check before
+    with pytest.raises(SystemExit) as exit:
+        selfcheck.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "usage: python -m lightning_ac.selfcheck" in out and "ok " not in out
+    assert all(feature in out for feature in selfcheck.FEATURES)
+    assert selfcheck.main(["offload.all"]) == 0
+    out = capsys.readouterr().out
+    assert "ok   offload.all" in out and "1/1 features work" in out and "selective" not in out
+    with pytest.raises(SystemExit) as exit:
+        selfcheck.main(["offload.disk"])
+    assert (
+        exit.value.code == 2 and "unknown feature(s) 'offload.disk'; choose from callbacks" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.simulated
