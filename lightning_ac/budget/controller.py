@@ -202,10 +202,16 @@ class BudgetController:
             return
         if readings is not None:
             self._take_selective(readings)
-        if peak is not None:
-            # a run's first step allocates what only a first step does: it is not held against later choices
-            self._check(peak, first=self._resumed)
+        if peak is not None and self._resumed:
             self._resumed = False
+            assert self.budget_bytes is not None
+            if peak <= self.budget_bytes:
+                self._settle()  # the checkpoint's plan holds here: it stays as it was chosen
+                return
+            # a run's first step allocates what only a first step does: it is not held against later choices
+            self._check(peak, first=True)
+        elif peak is not None:
+            self._check(peak)
 
     def abort_step(self) -> None:
         """After an exception: nothing measured stays active."""
