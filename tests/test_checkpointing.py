@@ -189,9 +189,37 @@ def test_hf_flags_and_hooks_exist_only_during_fit(llama):
     fingerprint = model_fingerprint(module)
     make_trainer([Probe(), ActivationCheckpointing(kwargs={"every_n_layers": 2})]).fit(module, batches())
     assert seen["flags"] == [True, False, True, False]
-    assert seen["hooks"] == 1  # transformers' enable_input_require_grads
+    assert seen["hooks"] == 0, "transformers' input-require-grads hook is for reentrant recompute only"
     assert model_fingerprint(module) == fingerprint
     assert not any(layer.gradient_checkpointing for layer in llama.model.layers)
+
+
+@pytest.mark.parametrize(
+    "reentrant, users_hook, required", [(False, False, False), (True, False, True), (False, True, True)]
+)
+def test_the_input_require_grads_hook_only_where_recompute_needs_it(reentrant, users_hook, required):
+    # transformers' checkpointing hooks the input embeddings so that their output requires grad: reentrant recompute
+    # over a frozen embedding needs it; non-reentrant does not, and with it backward computed the embedding output's
+    # gradient (a hidden state) for nothing. A hook the user set (peft's prepare_model_for_kbit_training) stays.
+    base = tiny_model("llama", lora=True)
+    if users_hook:
+        base.enable_input_require_grads()
+    embeddings = base.get_input_embeddings()
+    before = len(embeddings._forward_hooks)
+    seen = []
+
+    class Probe(pl.Callback):  # whether the (frozen) embeddings' output requires grad in the training step
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.handle = embeddings.register_forward_hook(lambda m, i, out: seen.append(out.requires_grad))
+
+        def on_train_batch_end(self, *args):
+            self.handle.remove()
+
+    reference = fit(clone(base))
+    run = fit(base, [Probe(), ActivationCheckpointing(reentrant=reentrant)])
+    assert seen == [required]
+    assert_same_training(reference, run)
+    assert len(embeddings._forward_hooks) == before, "left as found"
 
 
 class Boom(pl.Callback):

@@ -52,9 +52,16 @@ def enable_hf_checkpointing(
                 "checkpointing. Pass layers=[<decoder layer class>] to ActivationCheckpointing to wrap its "
                 "layers with torch's checkpoint instead."
             )
+        users_hooks = bool(getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None))
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs=kwargs, every_n_layers=config.every_n_layers
         )
+        if not kwargs["use_reentrant"] and not users_hooks:
+            # transformers also makes the input embeddings' output require grad, which reentrant recompute needs over
+            # a frozen embedding (it has no other input that requires grad); non-reentrant recompute does not, and
+            # the hook costs a hidden state's gradient in backward. A hook the user set (peft's
+            # prepare_model_for_kbit_training) stays.
+            model.disable_input_require_grads()
     checkpointed = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
     functions = list(layer_checkpoint_fns) if layer_checkpoint_fns is not None else [checkpoint_fn] * len(layers)
     for layer, on, function in zip(layers, checkpointed, functions):
