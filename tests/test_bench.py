@@ -131,6 +131,7 @@ def test_the_planner_says_which_modes_it_does_not_plan(tmp_path, monkeypatch):
     plan = (tmp_path / "plan.txt").read_text()
     # both fit: which is faster at this size is noise
     assert ("Use: off " in plan or "Use: full " in plan) and "Not planned: lora_full (layer offloading saves" in plan
+    assert "budget row" not in plan, "only the reasons that apply (it gave both for any mode left out)"
 
 
 def test_model_option_takes_a_model_type_or_a_json_config(tmp_path, monkeypatch):

@@ -691,6 +691,16 @@ def label_offsets(
     return placed
 
 
+def _why_not_planned(modes: Sequence[str]) -> str:
+    """Why the budget planner leaves ``modes`` out: the reasons that apply to them."""
+    reasons = []
+    if any(m in LAYER_OFFLOAD_MODES for m in modes):
+        reasons.append("layer offloading saves weights, not activations")
+    if any(m in BUDGET_MODES for m in modes):
+        reasons.append("a budget row is the budget itself")
+    return "; ".join(reasons)
+
+
 def plot(rows: List[Row], path: Path) -> None:
     """Activation memory against step time, one point per mode, anchors marked, each point labelled.
 
@@ -791,8 +801,7 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         parser.error(
             f"--modes {' '.join(args.modes)} --budget-gib {args.budget_gib:g}: the planner compares the activation "
             "modes of one fixed choice (off, full, every_2, the selective and offload modes), and none of these is "
-            "one (layer offloading saves weights, not activations; a budget row is the budget itself). Add such "
-            "modes, or leave --budget-gib out"
+            f"one ({_why_not_planned(args.modes)}). Add such modes, or leave --budget-gib out"
         )
     if args.budget_gib is not None:
         if not args.budget_gib > 0:
@@ -862,10 +871,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         budget = int(args.budget_gib * 2**30)
         advice = explain(plan_mode(planned_rows, budget, seq * batch, planned, errors), budget, planned, seq * batch)
         if unplanned:
-            advice += (
-                f"\nNot planned: {', '.join(unplanned)} (layer offloading saves weights, not activations; a budget "
-                "row is the budget itself)."
-            )
+            advice += f"\nNot planned: {', '.join(unplanned)} ({_why_not_planned(unplanned)})."
         print(advice)
     if args.out:  # always set (default bench_out)
         args.out.mkdir(parents=True, exist_ok=True)
