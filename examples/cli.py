@@ -93,8 +93,9 @@ class DocstringText(pl.LightningDataModule):
         return make_dataloader(data, vocab_size=256, seed=self.seed)
 
 
-def main(args: Optional[List[str]] = None) -> None:
-    LightningCLI(TinyCausalLM, DocstringText, seed_everything_default=0, save_config_callback=None, args=args)
+def main(args: Optional[List[str]] = None) -> LightningCLI:
+    """Parse ``args`` (the command line by default), build the model, data, trainer and callbacks, and run."""
+    return LightningCLI(TinyCausalLM, DocstringText, seed_everything_default=0, save_config_callback=None, args=args)
 
 
 if __name__ == "__main__":

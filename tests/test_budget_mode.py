@@ -348,6 +348,13 @@ def _slow_recompute(monkeypatch):
     monkeypatch.setattr(LayerReading, "figures", recompute_is_slow)
 
 
+# the simulated device runs the engines' accelerator branch; the host path (its synchronous branch) runs in the slow
+# session here, and with every target in the default one in test_offload
+@pytest.mark.parametrize(
+    "transfer",
+    [pytest.param("host", marks=pytest.mark.slow), pytest.param("simulated", marks=pytest.mark.simulated)],
+    indirect=True,
+)
 @pytest.mark.parametrize("target", ["hidden_states", "selective", "all"])
 def test_budget_composes_with_every_offload_target(references, transfer, target, monkeypatch):
     budget = between(references, 0.5)

@@ -58,7 +58,9 @@ def test_default_run_trains_and_writes_summary(tmp_path):
     "overrides, applied, checkpointed",
     [
         (["activation_checkpointing=full"], {"enabled": True}, "2/2"),
-        (["activation_checkpointing=every_2"], {"kwargs": {"every_n_layers": 2}}, "1/2"),
+        pytest.param(  # every_2 and selective_attn also train in test_multirun_writes_sweep_summary
+            ["activation_checkpointing=every_2"], {"kwargs": {"every_n_layers": 2}}, "1/2", marks=pytest.mark.slow
+        ),
         # each case is a process of its own: the ones whose block is also run elsewhere go to the slow session
         pytest.param(  # reentrant: test_checkpointing, test_offload
             ["activation_checkpointing=full", "activation_checkpointing.reentrant=true"],
@@ -73,7 +75,12 @@ def test_default_run_trains_and_writes_summary(tmp_path):
         pytest.param(  # gemma3: test_checkpointing, test_selective
             ["model=gemma3", "activation_checkpointing=full"], {"enabled": True}, "2/2", marks=pytest.mark.slow
         ),
-        (["activation_checkpointing=selective_attn"], {"selective": {"save": ["attention"]}}, "2/2"),
+        pytest.param(
+            ["activation_checkpointing=selective_attn"],
+            {"selective": {"save": ["attention"]}},
+            "2/2",
+            marks=pytest.mark.slow,
+        ),
         (  # the nested selective group (the README's first route to SAC)
             ["activation_checkpointing=full", "activation_checkpointing/selective=attention_mm"],
             {"selective": {"save": ["attention", "aten::mm"]}},
@@ -153,12 +160,16 @@ def test_offload_modes(tmp_path, overrides, targets):
         assert (copied["offload"][target]["bytes"] > 0) == targets.get(target, False), target
 
 
-def test_layer_offloading_needs_an_accelerator_or_forced_copies(tmp_path):
+def test_layer_offloading_needs_an_accelerator(tmp_path):
     result = train(tmp_path / "cpu", "activation_checkpointing=full", "layer_offloading=true")
     assert result.returncode == 2
     assert "layer_offloading: true needs an accelerator" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "cpu" / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow  # layer offloading with forced copies and verify mode: test_layer_offload, test_verify
+def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
     # forced copies on CPU: the whole path but the streams, and training exactly as without it
     forced_overrides = ("activation_checkpointing=full", "layer_offloading=true", "offload_copy_on_host=true")
     # with verify mode on its first step (Hydra's offload_verify_steps), which changes nothing it checks
