@@ -401,7 +401,7 @@ class Plan:
             storage = self.activation_offload.sac_storage if self.activation_offload is not None else None
             self.selective = build_policy(cfg.selective, self.module, layers, storage_factory=storage)
             self.selective.install()
-            context_fn = self.selective.context_fn
+            context_fn = self.selective.checkpoint_context_fn()
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
         if cfg.budget is not None:
@@ -534,6 +534,8 @@ class Plan:
             if cfg.selective.save_matmul_min_k:
                 saves.append(f"matmuls with K >= {cfg.selective.save_matmul_min_k}")
             parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
+            if self.selective is not None and self.selective.compiled:
+                parts.append("compiled: the save rules apply when the graph is traced, without per-rule diagnostics")
         return ", ".join(parts)
 
     # -- report ---------------------------------------------------------------------------------------------

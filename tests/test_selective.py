@@ -312,23 +312,7 @@ def test_second_backward_through_a_selective_region_says_why(llama, offload, tra
     assert model_fingerprint(module) == fingerprint
 
 
-def test_compiled_layers_are_refused(llama):
-    llama.model.layers[1].compile()
-    module = LM(llama)
-    with pytest.raises(ConfigError, match=r"layers \[1\] are compiled.*eager"):
-        make_trainer([ActivationCheckpointing(selective=True)]).fit(module, batches())
-    assert not any(layer.gradient_checkpointing for layer in llama.model.layers)
-
-
-@pytest.mark.parametrize("wrap", ["method", "function"])
-def test_compiled_models_are_refused(llama, wrap):
-    """Whole-model compilation crashed at step 1 (InternalTorchDynamoError); now it is refused before training."""
-    if wrap == "method":
-        llama.compile()
-    else:
-        llama = torch.compile(llama)
-    with pytest.raises(ConfigError, match=r"selective: the model around the decoder layers .* is compiled.*eager"):
-        make_trainer([ActivationCheckpointing(selective=True)]).fit(LM(llama), batches())
+# selective under torch.compile (per layer and whole model): tests/test_compile.py
 
 
 def test_apply_selective_checkpointing_on_transformers_checkpointing():

@@ -32,14 +32,23 @@ def build_policy(
     checkpointed: Optional[Sequence[bool]] = None,
     storage_factory: Optional[StorageFactory] = None,
 ) -> SelectivePolicy:
-    """A policy for the decoder layers of ``root``; raises ``ConfigError`` for compiled layers."""
+    """A policy for the decoder layers of ``root``. Under ``torch.compile`` (the layers or a module above them) the
+    rules that name ops apply when the graph is traced; ``save_modules`` and ``offload.selective`` raise
+    ``ConfigError`` there."""
     modules = [m for _, m in layers.layers]
     compiled = describe_compiled(*compiled_layers(root, layers))
-    if compiled:
+    if compiled and config.save_modules:
         raise ConfigError(
-            f"activation_checkpointing.selective: {compiled}, but selective checkpointing runs eagerly (torch's "
-            "selective-checkpoint policy API) and a compiled graph skips its policy (torch raises at the first step). "
-            "Compile after training setup without selective, or remove selective to recompute whole layers."
+            f"activation_checkpointing.selective.save_modules: {compiled}, and save_modules tells the modules apart "
+            "by hooks around their calls, which a compiled graph runs once, when it is traced, not at each call. "
+            "Under torch.compile name the ops instead (selective.save, selective.save_matmul_min_k), or leave the "
+            "layers uncompiled."
+        )
+    if compiled and storage_factory is not None:
+        raise ConfigError(
+            f"activation_checkpointing.offload.selective: {compiled}, and offload.selective keeps what the policy "
+            "saves in a host-resident storage that compiled graphs do not use (the saves stay inside the graph). "
+            "Set offload.selective: none, or leave the layers uncompiled."
         )
     count = sum(checkpointed) if checkpointed is not None else len(modules)
     return SelectivePolicy(
@@ -49,6 +58,7 @@ def build_policy(
         layers.layer_types,
         storage_factory=storage_factory,
         diagnose_after=max(1, count),
+        compiled=bool(compiled),
     )
 
 
@@ -117,6 +127,6 @@ def apply_selective_checkpointing(
     policy.install()
     for layer in checkpointed:
         layer._gradient_checkpointing_func = functools.partial(
-            layer._gradient_checkpointing_func, context_fn=policy.context_fn
+            layer._gradient_checkpointing_func, context_fn=policy.checkpoint_context_fn()
         )
     return _AppliedPolicy(policy, checkpointed, originals)

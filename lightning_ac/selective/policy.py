@@ -193,8 +193,10 @@ class SelectivePolicy:
         layer_types: Optional[Sequence[Optional[str]]] = None,
         storage_factory: Optional[StorageFactory] = None,
         diagnose_after: Optional[int] = None,
+        compiled: bool = False,
     ) -> None:
         self.config = config
+        self.compiled = compiled
         self.layers = list(layers)
         self.layer_types = list(layer_types) if layer_types is not None else [None] * len(self.layers)
         self.storage_factory: StorageFactory = storage_factory or create_selective_checkpoint_contexts
@@ -378,8 +380,21 @@ class SelectivePolicy:
             parts.append(f"last step: {sum(saved.values())} outputs")
         return ", ".join(parts) or "registered ops only"
 
+    def checkpoint_context_fn(self) -> Callable[[], Tuple[Any, Any]]:
+        """The ``context_fn`` to hand ``torch.utils.checkpoint.checkpoint``: :meth:`context_fn`, or under
+        ``torch.compile`` a plain function that returns torch's own contexts (dynamo takes a function or a
+        ``functools.partial`` as a ``context_fn``, not a bound method)."""
+        if not self.compiled:
+            return self.context_fn
+        policy = self
+
+        def compiled_context_fn() -> Tuple[Any, Any]:
+            return policy._compiled_contexts()
+
+        return compiled_context_fn
+
     def context_fn(self) -> Tuple[Any, Any]:
-        """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
+        """The eager ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
         layer = self._current_layer
         region = _Region(
             layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None
@@ -399,6 +414,20 @@ class SelectivePolicy:
         sac_saves_bypass_saved_tensor_hooks(storage_forward)
         recompute = Reenterable(functools.partial(self._recompute_context, region, storage_recompute))
         return self._forward_context(region, storage_forward), recompute
+
+    def _compiled_contexts(self) -> Tuple[Any, Any]:
+        """Under ``torch.compile``: torch's own contexts, the only ones a compiled region takes. AOT autograd asks
+        their policy about each op once, when it traces the graph, and the partitioner keeps what it must save; no
+        mode of ours runs inside the compiled graph, so nothing is counted (a trace-time decision is not a runtime
+        one) and the rules' diagnostics are not available."""
+        region = _Region(None, None)  # one graph serves every layer of its code: no per-layer decision
+
+        def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            # MUST_SAVE for every rule: the partitioner takes PREFER_SAVE as a hint it may overrule
+            rule = self.decide(region, func, args, kwargs, count=False)
+            return CheckpointPolicy.PREFER_RECOMPUTE if rule is None else CheckpointPolicy.MUST_SAVE
+
+        return create_selective_checkpoint_contexts(policy_fn)
 
     @contextlib.contextmanager
     def dry_run(self, index: int) -> Iterator[_Region]:

@@ -1,0 +1,165 @@
+"""torch.compile: the block's recompute and selective modes inside compiled graphs, per decoder layer and whole model.
+
+Compiled graphs bypass dispatch modes, so recompute and saves are counted in the graphs themselves: a recording
+``aot_autograd`` backend keeps every forward and backward graph AOT autograd builds (``aot_eager``: the graphs run
+as traced, so gradients compare bit for bit with the same compiled model without the suite).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import pytest
+import torch
+from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
+
+MM, SDPA = "aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+class GraphRecorder:
+    """An ``aot_autograd`` backend that runs each graph as traced and keeps it, forward and backward apart."""
+
+    def __init__(self) -> None:
+        self.graphs: List[Tuple[str, torch.fx.GraphModule]] = []
+        self.backend = aot_autograd(fw_compiler=self._keep("forward"), bw_compiler=self._keep("backward"))
+
+    def _keep(self, kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            self.graphs.append((kind, gm))
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def ops(self, kind: str, prefix: str) -> List[int]:
+        """Per graph of ``kind``, how many of its calls are ops whose name starts with ``prefix``."""
+        return [
+            sum(n.op == "call_function" and str(n.target).startswith(prefix) for n in gm.graph.nodes)
+            for k, gm in self.graphs
+            if k == kind
+        ]
+
+
+class GraphLM(LM):
+    """The tests' LM without its backward dispatch mode (compiled graphs bypass it, and it cannot pass their
+    higher-order ops): the first step's gradients only."""
+
+    def on_before_backward(self, loss):
+        pass
+
+    def on_after_backward(self):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
+
+
+def compiled(base: torch.nn.Module, recorder: GraphRecorder, where: str) -> torch.nn.Module:
+    """A copy of ``base`` compiled with ``recorder``: each decoder layer (torchtitan's way), or the whole model."""
+    torch._dynamo.reset()
+    model = clone(base)
+    if where == "model":
+        return torch.compile(model, backend=recorder.backend)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend=recorder.backend)
+    return model
+
+
+def train(base, where: str, callbacks=()) -> Tuple[GraphLM, GraphRecorder]:
+    recorder = GraphRecorder()
+    return fit(compiled(base, recorder, where), callbacks, max_steps=2, module_cls=GraphLM), recorder
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def plain(base):
+    """The same compiled models without the suite, per layer and whole: the reference and its backward matmuls."""
+    return {where: train(base, where) for where in ("layer", "model")}
+
+
+# backward matmuls of one layer's graph (per-layer compile: one graph serves all four layers) or the model's graph
+PLAIN_MM = {"layer": 14, "model": 58}
+FULL_MM = {"layer": 20, "model": 83}  # + the 6 recomputed projections of each layer (the output head is not)
+PER_GRAPH = {"layer": 1, "model": 4}  # decoder layers a graph holds
+
+
+@pytest.mark.parametrize("where", ["layer", "model"])
+@pytest.mark.parametrize(
+    "selective, backward_mm",
+    [
+        (None, FULL_MM),
+        ({"save": ["aten::mm"]}, PLAIN_MM),  # every matmul saved: none recomputed
+        ({"save": [], "save_matmul_min_k": 64}, PLAIN_MM),  # every projection contracts over >= 64
+        ({"save": ["attention"]}, FULL_MM),  # the partitioner never recomputes attention: the rule adds nothing
+    ],
+)
+def test_save_rules_apply_inside_compiled_graphs(base, plain, where, selective, backward_mm):
+    reference, reference_graphs = plain[where]
+    assert set(reference_graphs.ops("backward", MM)) == {PLAIN_MM[where]}
+    run, graphs = train(base, where, [ActivationCheckpointing(selective=selective)])
+    assert set(graphs.ops("backward", MM)) == {backward_mm[where]}
+    # one SDPA call per layer in backward: its backward kernel; a recomputed attention would add its forward
+    assert set(graphs.ops("backward", SDPA)) == set(reference_graphs.ops("backward", SDPA)) == {PER_GRAPH[where]}
+    assert run.losses == reference.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
+@pytest.mark.parametrize("where, backward_mm", [("layer", {14, 20}), ("model", {72})])
+def test_every_n_layers_recomputes_every_second_layer_inside_the_graphs(base, plain, where, backward_mm):
+    reference, _ = plain[where]
+    run, graphs = train(base, where, [ActivationCheckpointing(kwargs={"every_n_layers": 2})])
+    assert set(graphs.ops("backward", MM)) == backward_mm  # per layer: a graph for each kind of layer
+    assert run.losses == reference.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
+@pytest.mark.parametrize("where, backward_mm", [("layer", 14), ("model", 58)])
+def test_compiled_in_place_too(base, where, backward_mm):
+    # module.compile() compiles in place (no OptimizedModule wrapper): found and handled as torch.compile(module)
+    torch._dynamo.reset()
+    recorder, model = GraphRecorder(), clone(base)
+    for module in model.model.layers if where == "layer" else [model]:
+        module.compile(backend=recorder.backend)
+    fit(model, [ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=1, module_cls=GraphLM)
+    assert set(recorder.ops("backward", MM)) == {backward_mm}
+
+
+def test_the_applied_line_says_the_rules_apply_when_traced(base, caplog):
+    train(base, "layer", [ActivationCheckpointing(selective=True)])
+    assert any("selective: save attention" in m and "compiled: the save rules apply when" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_the_model_is_left_as_found(base, where):
+    recorder = GraphRecorder()
+    model = compiled(base, recorder, where)
+    module = GraphLM(model)
+    fingerprint = model_fingerprint(module)
+    make_trainer([ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=1).fit(module, batches())
+    assert model_fingerprint(module) == fingerprint
+
+
+@pytest.mark.parametrize(
+    "callbacks, field",
+    [
+        ([ActivationCheckpointing(selective={"save": [], "save_modules": ["o_proj"]})], "selective.save_modules"),
+        (
+            [ActivationCheckpointing(selective=True), ActivationOffload(selective="cpu", copy_on_host=True)],
+            "offload.selective",
+        ),
+    ],
+)
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_what_cannot_work_under_compile_is_refused_before_training(base, callbacks, field, where):
+    recorder = GraphRecorder()
+    module = GraphLM(compiled(base, recorder, where))
+    with pytest.raises(ConfigError, match=rf"activation_checkpointing\.{field}: .*compiled with torch\.compile"):
+        make_trainer(callbacks).fit(module, batches())
+    assert not recorder.graphs, "nothing was traced"
