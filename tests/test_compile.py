@@ -15,7 +15,13 @@ from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, t
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
+from lightning_ac import (
+    ActivationCheckpointing,
+    ActivationOffload,
+    ConfigError,
+    register_mandatory_save,
+    register_preferred_save,
+)
 
 MM, SDPA = "aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -129,6 +135,20 @@ def test_compiled_in_place_too(base, where, backward_mm):
         module.compile(backend=recorder.backend)
     fit(model, [ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=1, module_cls=GraphLM)
     assert set(recorder.ops("backward", MM)) == {backward_mm}
+
+
+@pytest.mark.parametrize("register", [register_mandatory_save, register_preferred_save])
+def test_registered_saves_apply_inside_compiled_graphs(base, plain, register):
+    reference, _ = plain["layer"]
+    handle = register("aten::mm")
+    try:
+        run, graphs = train(base, "layer", [ActivationCheckpointing(selective={"save": []})])
+    finally:
+        handle.remove()
+    assert set(graphs.ops("backward", MM)) == {PLAIN_MM["layer"]}, "a preferred save is a save under compile too"
+    assert run.losses == reference.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
 
 
 def test_the_applied_line_says_the_rules_apply_when_traced(base, caplog):
