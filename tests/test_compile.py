@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import LM, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
@@ -151,9 +152,19 @@ def test_registered_saves_apply_inside_compiled_graphs(base, plain, register):
         assert torch.equal(grad, run.grads[name]), name
 
 
-def test_the_applied_line_says_the_rules_apply_when_traced(base, caplog):
-    train(base, "layer", [ActivationCheckpointing(selective=True)])
+def test_the_applied_line_and_the_report_say_the_rules_apply_when_traced(base, caplog):
+    described = []
+
+    class Report(pl.Callback):  # what the per-layer table shows in its SAC column, read while the plan is applied
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not described:
+                policy = checkpointing.plan.selective
+                described.extend(policy.describe_layer(i, recomputed=True) for i in range(4))
+
+    checkpointing = ActivationCheckpointing(selective=True)
+    train(base, "layer", [checkpointing, Report()])
     assert any("selective: save attention" in m and "compiled: the save rules apply when" in m for m in caplog.messages)
+    assert described == ["attention, compiled: decided when traced"] * 4
 
 
 @pytest.mark.parametrize("where", ["layer", "model"])

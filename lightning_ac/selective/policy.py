@@ -378,6 +378,8 @@ class SelectivePolicy:
         saved = self.saved_ops_per_layer.get(index)
         if saved is not None:
             parts.append(f"last step: {sum(saved.values())} outputs")
+        if self.compiled:  # decided when the graph was traced; nothing counted at run time
+            parts.append("compiled: decided when traced")
         return ", ".join(parts) or "registered ops only"
 
     def checkpoint_context_fn(self) -> Callable[[], Tuple[Any, Any]]:
