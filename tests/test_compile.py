@@ -41,11 +41,12 @@ class GraphRecorder:
 
         return compiler
 
-    def ops(self, kind: str, prefix: str) -> List[int]:
-        """Per graph of ``kind``, how many of its calls are ops whose name starts with ``prefix``."""
+    def ops(self, kind: str, prefix: str, since: int = 0) -> List[int]:
+        """Per graph of ``kind`` (from the ``since``-th graph kept on), how many of its calls are ops whose name
+        starts with ``prefix``."""
         return [
             sum(n.op == "call_function" and str(n.target).startswith(prefix) for n in gm.graph.nodes)
-            for k, gm in self.graphs
+            for k, gm in self.graphs[since:]
             if k == kind
         ]
 
@@ -175,6 +176,19 @@ def test_the_model_is_left_as_found(base, where):
     fingerprint = model_fingerprint(module)
     make_trainer([ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=1).fit(module, batches())
     assert model_fingerprint(module) == fingerprint
+
+
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
+    # dynamo's guards see the checkpoint flags and the policy change: each fit traces the graphs it runs
+    recorder = GraphRecorder()
+    module = GraphLM(compiled(base, recorder, where))
+    backward_mm = []
+    for callbacks in ([ActivationCheckpointing(selective={"save": ["aten::mm"]})], [], [ActivationCheckpointing()]):
+        before = len(recorder.graphs)
+        make_trainer(callbacks, max_steps=1).fit(module, batches())
+        backward_mm.append(set(recorder.ops("backward", MM, since=before)))  # empty: no graph traced for this fit
+    assert backward_mm == [{PLAIN_MM[where]}, {PLAIN_MM[where]}, {FULL_MM[where]}]
 
 
 @pytest.mark.parametrize(
