@@ -178,6 +178,30 @@ def test_the_model_is_left_as_found(base, where):
     assert model_fingerprint(module) == fingerprint
 
 
+class CompiledInConfigureModel(GraphLM):
+    """Builds the model and compiles it in ``configure_model`` (the suite applies right after it)."""
+
+    def __init__(self, base: torch.nn.Module, recorder: GraphRecorder, where: str) -> None:
+        super().__init__(None)
+        self._build = lambda: compiled(base, recorder, where)
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = self._build()
+
+
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_a_model_compiled_in_configure_model(base, plain, where):
+    recorder = GraphRecorder()
+    module = CompiledInConfigureModel(base, recorder, where)
+    make_trainer([ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=2).fit(module, batches())
+    assert set(recorder.ops("backward", MM)) == {PLAIN_MM[where]}
+    reference, _ = plain[where]
+    assert module.losses == reference.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, module.grads[name]), name
+
+
 @pytest.mark.parametrize("where", ["layer", "model"])
 def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
     # dynamo's guards see the checkpoint flags and the policy change: each fit traces the graphs it runs
