@@ -402,6 +402,16 @@ class Plan:
             self.selective = build_policy(cfg.selective, self.module, layers, storage_factory=storage)
             self.selective.install()
             context_fn = self.selective.checkpoint_context_fn()
+        if self.activation_offload is not None and self.activation_offload.hidden_states is not None:
+            compiled = describe_compiled(*compiled_layers(self.module, layers))
+            if compiled:
+                raise ConfigError(
+                    f"activation_checkpointing.offload.hidden_states: {compiled}, and offload.hidden_states moves each "
+                    "layer's input with saved-tensor hooks around its checkpoint call, inside the compiled region: "
+                    "dynamo cannot trace them and would run those layers eagerly, uncompiled, without a word. Use "
+                    "offload.all (its hooks take what the compiled graphs save, after their forward), or leave the "
+                    "layers uncompiled."
+                )
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
         if cfg.budget is not None:

@@ -178,6 +178,19 @@ def test_the_model_is_left_as_found(base, where):
     assert model_fingerprint(module) == fingerprint
 
 
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_offload_all_moves_what_the_compiled_graphs_save(base, plain, where):
+    # torch runs saved-tensor hooks on a compiled graph's saves after its forward, all at once (no overlap with it)
+    offload = ActivationOffload(all="cpu", min_offload_bytes=0, copy_on_host=True)
+    run, graphs = train(base, where, [ActivationCheckpointing(), offload])
+    assert set(graphs.ops("backward", MM)) == {FULL_MM[where]}, "the layers ran compiled"
+    assert offload.last_step["all"]["tensors"] > 0
+    reference, _ = plain[where]
+    assert run.losses == reference.losses
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, run.grads[name]), name
+
+
 class CompiledInConfigureModel(GraphLM):
     """Builds the model and compiles it in ``configure_model`` (the suite applies right after it)."""
 
@@ -222,6 +235,11 @@ def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
         (
             [ActivationCheckpointing(selective=True), ActivationOffload(selective="cpu", copy_on_host=True)],
             "offload.selective",
+        ),
+        # its hooks inside the compiled region made dynamo run the layers eagerly, uncompiled, without a word
+        (
+            [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)],
+            "offload.hidden_states",
         ),
     ],
 )
