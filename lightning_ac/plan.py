@@ -396,22 +396,13 @@ class Plan:
         assert self.module is not None
         cfg = self.config
         modules = layers.modules
+        self._check_compiled(layers)
         context_fn: Optional[Callable[[], Any]] = None
         if cfg.selective is not None:
             storage = self.activation_offload.sac_storage if self.activation_offload is not None else None
             self.selective = build_policy(cfg.selective, self.module, layers, storage_factory=storage)
             self.selective.install()
             context_fn = self.selective.checkpoint_context_fn()
-        if self.activation_offload is not None and self.activation_offload.hidden_states is not None:
-            compiled = describe_compiled(*compiled_layers(self.module, layers))
-            if compiled:
-                raise ConfigError(
-                    f"activation_checkpointing.offload.hidden_states: {compiled}, and offload.hidden_states moves each "
-                    "layer's input with saved-tensor hooks around its checkpoint call, inside the compiled region: "
-                    "dynamo cannot trace them and would run those layers eagerly, uncompiled, without a word. Use "
-                    "offload.all (its hooks take what the compiled graphs save, after their forward), or leave the "
-                    "layers uncompiled."
-                )
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
         if cfg.budget is not None:
@@ -443,6 +434,27 @@ class Plan:
             self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
+
+    def _check_compiled(self, layers: DecoderLayers) -> None:
+        """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word (the
+        selective policy checks its own parts under compile, and layer offloading its own)."""
+        compiled = describe_compiled(*compiled_layers(self.module, layers))
+        if not compiled:
+            return
+        if self.config.budget is not None:
+            raise ConfigError(
+                f"activation_checkpointing.budget: {compiled}, and the budget measures each layer's activations and "
+                "recompute time with dispatch modes and hooks around its calls, under which dynamo would run the "
+                "layers eagerly, uncompiled, without a word. Choose a mode instead (full, kwargs.every_n_layers, "
+                "selective save rules), or leave the layers uncompiled."
+            )
+        if self.activation_offload is not None and self.activation_offload.hidden_states is not None:
+            raise ConfigError(
+                f"activation_checkpointing.offload.hidden_states: {compiled}, and offload.hidden_states moves each "
+                "layer's input with saved-tensor hooks around its checkpoint call, inside the compiled region: dynamo "
+                "cannot trace them and would run those layers eagerly, uncompiled, without a word. Use offload.all "
+                "(its hooks take what the compiled graphs save, after their forward), or leave the layers uncompiled."
+            )
 
     def _budget_changed(self, choices: List[Choice]) -> None:
         """The budget chose again: the report and the selective policy follow."""

@@ -241,6 +241,7 @@ def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
             [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)],
             "offload.hidden_states",
         ),
+        ([ActivationCheckpointing(budget="1MiB")], "budget"),  # the budget's measurements did the same
     ],
 )
 @pytest.mark.parametrize("where", ["layer", "model"])
