@@ -79,6 +79,13 @@ def train(base, where: str, callbacks=()) -> Tuple[GraphLM, GraphRecorder]:
     return fit(compiled(base, recorder, where), callbacks, max_steps=2, module_cls=GraphLM), recorder
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_the_graphs():
+    """Dynamo's caches hold the module's graphs and their fake tensors: let them go with the module."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def base():
     return tiny_model("llama")
@@ -128,7 +135,11 @@ def test_every_n_layers_recomputes_every_second_layer_inside_the_graphs(base, pl
         assert torch.equal(grad, run.grads[name]), name
 
 
-@pytest.mark.parametrize("where, backward_mm", [("layer", 14), ("model", 58)])
+# the whole model's cases of these three run in the slow session (the save rules run both in the default one)
+WHOLE_IN_SLOW = ["layer", pytest.param("model", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("where, backward_mm", [("layer", 14), pytest.param("model", 58, marks=pytest.mark.slow)])
 def test_compiled_in_place_too(base, where, backward_mm):
     # module.compile() compiles in place (no OptimizedModule wrapper): found and handled as torch.compile(module)
     torch._dynamo.reset()
@@ -203,7 +214,7 @@ class CompiledInConfigureModel(GraphLM):
             self.model = self._build()
 
 
-@pytest.mark.parametrize("where", ["layer", "model"])
+@pytest.mark.parametrize("where", WHOLE_IN_SLOW)
 def test_a_model_compiled_in_configure_model(base, plain, where):
     recorder = GraphRecorder()
     module = CompiledInConfigureModel(base, recorder, where)
@@ -215,7 +226,7 @@ def test_a_model_compiled_in_configure_model(base, plain, where):
         assert torch.equal(grad, module.grads[name]), name
 
 
-@pytest.mark.parametrize("where", ["layer", "model"])
+@pytest.mark.parametrize("where", WHOLE_IN_SLOW)
 def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
     # dynamo's guards see the checkpoint flags and the policy change: each fit traces the graphs it runs
     recorder = GraphRecorder()

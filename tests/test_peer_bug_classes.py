@@ -237,7 +237,10 @@ def live_host_bytes() -> int:
         # type(), not isinstance(): some module-level objects warn when their __class__ is read
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided:
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a fake or functional tensor (a compiled graph's cache keeps some): no memory
+                continue
     return sum(storages.values())
 
 
