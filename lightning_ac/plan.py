@@ -44,6 +44,7 @@ from lightning_ac.layers import (
     transformers_models,
 )
 from lightning_ac.offload.activations import ActivationOffloadRuntime
+from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES, compiled_call, offload_inputs_of_compiled_layer
 from lightning_ac.offload.device import format_bytes
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 from lightning_ac.report import LayerRow
@@ -284,7 +285,9 @@ class Plan:
         assert self.module is not None and self.device is not None
         cfg = self.config
         self.layers = layers
-        self._journal = ModuleJournal(self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + (_DDP_IGNORE, "training_step"))
+        self._journal = ModuleJournal(
+            self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + COMPILED_CALL_ATTRIBUTES + (_DDP_IGNORE, "training_step")
+        )
         modules = layers.modules
         try:
             if self._offload_here:
@@ -405,6 +408,13 @@ class Plan:
             context_fn = self.selective.checkpoint_context_fn()
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
+        hidden_states = self.activation_offload.hidden_states if self.activation_offload is not None else None
+        # layers whose checkpoint call is inside a compiled graph of their own (whole-model compile is refused)
+        compiled = [i for i in compiled_layers(self.module, layers)[0] if compiled_call(self.module, *layers.layers[i])]
+        if hidden_states is not None and compiled:
+            # a compiled layer's inputs move around its compiled call (offload/compiled.py): hooks around its
+            # checkpoint call would be inside the compiled region
+            switches = [checkpoint if i in compiled else checkpoint_fn for i in range(len(modules))]
         if cfg.budget is not None:
             assert self.device is not None
             runtime = self.activation_offload
@@ -434,11 +444,17 @@ class Plan:
             self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
+        if hidden_states is not None:
+            for index in compiled:
+                if self.recomputed[index]:
+                    name, layer = layers.layers[index]
+                    offload_inputs_of_compiled_layer(self.module, name, layer, hidden_states)
 
     def _check_compiled(self, layers: DecoderLayers) -> None:
         """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word (the
         selective policy checks its own parts under compile, and layer offloading its own)."""
-        compiled = describe_compiled(*compiled_layers(self.module, layers))
+        indices, above = compiled_layers(self.module, layers)
+        compiled = describe_compiled(indices, above)
         if not compiled:
             return
         if self.config.budget is not None:
@@ -448,12 +464,14 @@ class Plan:
                 "layers eagerly, uncompiled, without a word. Choose a mode instead (full, kwargs.every_n_layers, "
                 "selective save rules), or leave the layers uncompiled."
             )
-        if self.activation_offload is not None and self.activation_offload.hidden_states is not None:
+        if above and self.activation_offload is not None and self.activation_offload.hidden_states is not None:
             raise ConfigError(
                 f"activation_checkpointing.offload.hidden_states: {compiled}, and offload.hidden_states moves each "
-                "layer's input with saved-tensor hooks around its checkpoint call, inside the compiled region: dynamo "
-                "cannot trace them and would run those layers eagerly, uncompiled, without a word. Use offload.all "
-                "(its hooks take what the compiled graphs save, after their forward), or leave the layers uncompiled."
+                "layer's input with saved-tensor hooks around its call, which would be inside the compiled region: "
+                "dynamo cannot trace them and would run the layers eagerly, uncompiled, without a word. Compile the "
+                "decoder layers one by one instead (layers[i] = torch.compile(layers[i]), torchtitan's way; their "
+                "inputs then move after each compiled forward), use offload.all (its hooks take what the compiled "
+                "graph saves, after its forward), or leave the model uncompiled."
             )
 
     def _budget_changed(self, choices: List[Choice]) -> None:

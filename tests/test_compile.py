@@ -202,6 +202,54 @@ def test_offload_all_moves_what_the_compiled_graphs_save(base, plain, where):
         assert torch.equal(grad, run.grads[name]), name
 
 
+def compiled_calls(model: torch.nn.Module) -> List[object]:
+    """What eager code calls to run each decoder layer's compiled graph (offload.hidden_states wraps it)."""
+    return [layer.__dict__.get("forward", layer.__dict__.get("_compiled_call_impl")) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in_place", "wrapper_named"])
+def test_offload_hidden_states_moves_each_compiled_layers_inputs(base, plain, how):
+    # hooks around each layer's compiled call, in eager, take its inputs from what the graph saves after its
+    # forward; by name the layer is the wrapper itself, and the hooks around its checkpoint call are eager already
+    torch._dynamo.reset()
+    recorder, model = GraphRecorder(), clone(base)
+    for i, layer in enumerate(model.model.layers):
+        if how == "in_place":
+            layer.compile(backend=recorder.backend)
+        else:
+            model.model.layers[i] = torch.compile(layer, backend=recorder.backend)
+    calls = compiled_calls(model)
+    offload = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    layers = ["model.model.layers.?"] if how == "wrapper_named" else None
+    run = fit(model, [ActivationCheckpointing(layers=layers), offload], max_steps=2, module_cls=GraphLM)
+    # by name, the checkpoint wraps the compiled call: its recompute runs the compiled forward again, from outside
+    recomputed_in_graph = FULL_MM["layer"] if how != "wrapper_named" else PLAIN_MM["layer"]
+    assert set(recorder.ops("backward", MM)) == {recomputed_in_graph}, "the layers ran compiled"
+    hidden_states = 4 * 64 * 64 * 4  # 4 layers' (batch x sequence, hidden) float32 inputs
+    if how == "wrapper_named":  # checkpoint's own saves outside its region: the hidden states, as in eager
+        assert offload.last_step["hidden_states"] == {"tensors": 4, "bytes": hidden_states}
+    else:  # the graph saves its inputs: the hidden states, and the rotary cos and sin all layers share (moved once)
+        assert offload.last_step["hidden_states"] == {"tensors": 6, "bytes": hidden_states + 2 * 32 * 16 * 4}
+    assert offload.last_step["all"]["tensors"] == 0
+    reference, _ = plain["layer"]
+    assert run.losses == reference.losses
+    grads = {name.replace("._orig_mod", ""): grad for name, grad in run.grads.items()}  # in place: no wrapper
+    for name, grad in reference.grads.items():
+        assert torch.equal(grad, grads[name.replace("._orig_mod", "")]), name
+    assert all(a is b for a, b in zip(compiled_calls(model), calls)), "the compiled calls are the ones found"
+
+
+def test_offload_hidden_states_leaves_uncheckpointed_compiled_layers_alone(base, plain):
+    recorder = GraphRecorder()
+    offload = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    callbacks = [ActivationCheckpointing(kwargs={"every_n_layers": 2}), offload]
+    run = fit(compiled(base, recorder, "layer"), callbacks, max_steps=1, module_cls=GraphLM)
+    assert set(recorder.ops("backward", MM)) == {14, 20}
+    assert offload.last_step["hidden_states"] == {"tensors": 4, "bytes": 2 * 64 * 64 * 4 + 2 * 32 * 16 * 4}
+    reference, _ = plain["layer"]
+    assert run.losses[:1] == reference.losses[:1]
+
+
 class CompiledInConfigureModel(GraphLM):
     """Builds the model and compiles it in ``configure_model`` (the suite applies right after it)."""
 
@@ -247,18 +295,25 @@ def test_a_later_fit_runs_graphs_traced_for_it_not_stale_ones(base, where):
             [ActivationCheckpointing(selective=True), ActivationOffload(selective="cpu", copy_on_host=True)],
             "offload.selective",
         ),
-        # its hooks inside the compiled region made dynamo run the layers eagerly, uncompiled, without a word
-        (
-            [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)],
-            "offload.hidden_states",
-        ),
-        ([ActivationCheckpointing(budget="1MiB")], "budget"),  # the budget's measurements did the same
+        ([ActivationCheckpointing(budget="1MiB")], "budget"),  # its measurements made dynamo run the layers eagerly
     ],
 )
 @pytest.mark.parametrize("where", ["layer", "model"])
 def test_what_cannot_work_under_compile_is_refused_before_training(base, callbacks, field, where):
     recorder = GraphRecorder()
     module = GraphLM(compiled(base, recorder, where))
+    with pytest.raises(ConfigError, match=rf"activation_checkpointing\.{field}: .*compiled with torch\.compile"):
+        make_trainer(callbacks).fit(module, batches())
+    assert not recorder.graphs, "nothing was traced"
+
+
+def test_offload_hidden_states_under_a_compiled_model_is_refused_before_training(base):
+    # no eager code runs between the layers of a compiled model: hooks around a layer's call would be inside the
+    # graph, where dynamo would run the layers eagerly, uncompiled, without a word
+    recorder = GraphRecorder()
+    module = GraphLM(compiled(base, recorder, "model"))
+    callbacks = [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)]
+    field = "offload.hidden_states"
     with pytest.raises(ConfigError, match=rf"activation_checkpointing\.{field}: .*compiled with torch\.compile"):
         make_trainer(callbacks).fit(module, batches())
     assert not recorder.graphs, "nothing was traced"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -48,8 +48,10 @@ class SavedTensorOffloader:
         self.paused = 0
         self._active: Optional[Any] = None
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def _pack(self, tensor: torch.Tensor, only_storages: Optional[Set[int]] = None) -> Any:
         if self.paused or self.engine.should_skip(tensor, self.min_bytes):
+            return tensor
+        if only_storages is not None and tensor.untyped_storage().data_ptr() not in only_storages:
             return tensor
         if torch._C._current_graph_task_id() != -1:
             return tensor  # saved during backward (a reentrant recompute): used at once, not worth moving
@@ -58,9 +60,14 @@ class SavedTensorOffloader:
     def _unpack(self, packed: Any) -> torch.Tensor:
         return self.engine.unpack(packed) if isinstance(packed, Packed) else packed
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """A fresh saved-tensor hook context."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    def hooks(self, only_storages: Optional[Set[int]] = None) -> torch.autograd.graph.saved_tensors_hooks:
+        """A fresh saved-tensor hook context.
+
+        Args:
+            only_storages: Move only saved tensors on these storages (by ``data_ptr``); all when ``None``.
+        """
+        pack = self._pack if only_storages is None else functools.partial(self._pack, only_storages=only_storages)
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
     def push(self) -> None:
         """Enter the hooks until :meth:`pop` (a training step spans several Lightning hooks)."""

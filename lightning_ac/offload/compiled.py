@@ -1,0 +1,83 @@
+"""``offload.hidden_states`` for decoder layers compiled one by one (torchtitan's ``layers[i] = torch.compile(...)``,
+or ``layer.compile()``).
+
+Inside a compiled region dynamo cannot trace saved-tensor hooks: entered around the checkpoint call, as for an eager
+layer, they would make it run the layer eagerly, uncompiled, without a word. So for a compiled layer the hooks go
+around the compiled call itself, where the code is eager: torch runs them on what the compiled graph saves, right
+after that layer's forward. Of those saves only the layer's own inputs move (the hidden states its checkpoint
+keeps), as in eager, where the layer's other saves live in checkpoint's storage; the graph's other saves stay on
+the device (``offload.all`` moves those too).
+
+The compiled call is an instance attribute that the plan's journal records: the wrapper's ``forward`` (an
+``OptimizedModule``) or the layer's ``_compiled_call_impl`` (``layer.compile()``). Removal puts it back, and the
+compiled graphs are untouched: they never see the hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_ac.offload.activations import SavedTensorOffloader
+
+__all__ = ["COMPILED_CALL_ATTRIBUTES", "compiled_call", "offload_inputs_of_compiled_layer"]
+
+# Where eager code calls a layer's compiled graph (``forward`` of an OptimizedModule is journaled already).
+COMPILED_CALL_ATTRIBUTES = ("_compiled_call_impl",)
+
+
+def compiled_call(root: nn.Module, name: str, layer: nn.Module) -> Optional[Tuple[nn.Module, str]]:
+    """The module and attribute through which eager code calls the compiled graph that holds ``layer``'s call.
+
+    Args:
+        root: The module the layer's ``name`` is relative to.
+        name: The layer's qualified name (``...layers.0._orig_mod`` inside a ``torch.compile`` wrapper).
+        layer: The decoder layer.
+
+    Returns:
+        ``None`` where no graph of the layer's own holds its call: the layer is a ``torch.compile`` wrapper itself
+        (selected by name), so its checkpoint wraps the compiled call from outside, in eager, and eager hooks
+        work; or the layer is not compiled by itself.
+    """
+    if type(layer).__name__ == "OptimizedModule":
+        return None
+    if getattr(layer, "_compiled_call_impl", None) is not None:  # layer.compile()
+        return layer, "_compiled_call_impl"
+    parts = name.split(".")
+    if parts[-1] == "_orig_mod":
+        wrapper = root.get_submodule(".".join(parts[:-1]))
+        if "forward" in wrapper.__dict__:  # OptimizedModule: forward is the dynamo-wrapped call of the layer
+            return wrapper, "forward"
+    return None
+
+
+def offload_inputs_of_compiled_layer(
+    root: nn.Module, name: str, layer: nn.Module, offloader: SavedTensorOffloader
+) -> None:
+    """Move the inputs that ``layer``'s compiled graph saves to the host, through ``offloader``, in training calls.
+
+    Args:
+        root: The module the layer's ``name`` is relative to.
+        name: The layer's qualified name.
+        layer: A decoder layer compiled by itself, checkpointed inside its graph (see :func:`compiled_call`).
+        offloader: ``offload.hidden_states``'s hooks.
+    """
+    found = compiled_call(root, name, layer)
+    assert found is not None, f"{name} is not compiled by itself"
+    owner, attribute = found
+    call: Callable[..., Any] = getattr(owner, attribute)
+
+    @functools.wraps(call)
+    def compiled_call_offloading_inputs(*args: Any, **kwargs: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return call(*args, **kwargs)
+        # Storages, not tensors: the graph may save a view or an alias of an input rather than the input itself.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        with offloader.hooks(only_storages=inputs):
+            return call(*args, **kwargs)
+
+    setattr(owner, attribute, compiled_call_offloading_inputs)
