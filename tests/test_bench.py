@@ -48,6 +48,41 @@ def test_benchmark_rows_files_and_exact_gradients(tmp_path, monkeypatch):
     assert (tmp_path / "memory_time.png").stat().st_size > 1000
 
 
+COMPILED = [
+    "off",
+    "full",
+    "full_compiled",
+    "selective_attn_compiled",
+    "selective_attn_mm_compiled",
+    "torchtitan_compiled",
+]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, monkeypatch, backend):
+    from lightning_ac.bench import harness
+
+    monkeypatch.setattr(harness, "COMPILE_BACKEND", backend)  # aot_eager runs the graphs as traced: exact
+    tiny_preset(monkeypatch, reps=2)
+    rows = bench.main(["--preset", "tiny", "--modes", *COMPILED, "--out", str(tmp_path)])
+    by = {r.mode: r for r in rows}
+    assert by["torchtitan_compiled"].kind == "anchor"
+    for mode in COMPILED[2:]:
+        row = by[mode]
+        assert row.status == "ok" and row.step_time_s > 0, mode
+        assert row.compile_time_s > 0, "the warm-up steps compiled"
+        assert row.peak_activation_bytes is None, "MemTracker cannot see inside compiled graphs: not measured on CPU"
+        # inductor fuses, so its sums round differently from eager's: within float32 rounding of off's gradients
+        assert row.max_grad_diff == 0.0 if backend == "aot_eager" else row.max_grad_diff < 1e-5, mode
+    assert by["full"].compile_time_s is None
+    table = (tmp_path / "results.md").read_text()
+    compiled_table = table[table.index("torch.compile (") :]
+    assert "| mode | kind | activation peak (MiB) | vs full | step (s) | vs full | compile (s) |" in compiled_table
+    assert all(f"`{mode}`" in compiled_table for mode in COMPILED[2:])
+    assert "`full_compiled`" not in table[: table.index("torch.compile (")], "compiled rows only in their table"
+    assert json.loads((tmp_path / "results.json").read_text())[2]["compile_time_s"] > 0
+
+
 @pytest.mark.slow
 def test_default_example_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

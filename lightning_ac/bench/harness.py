@@ -12,6 +12,7 @@ same Trainer harness. Memory and step time come from :mod:`lightning_ac.bench.me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import importlib
@@ -125,6 +126,47 @@ def _hf_native_offload(model: nn.Module) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
 
 
+def _decoder_layer_lists(model: nn.Module) -> List[nn.ModuleList]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        and any(isinstance(getattr(c, "_orig_mod", c), GradientCheckpointingLayer) for c in m)
+    ]
+
+
+# The compiled modes' backend (the tests run the harness with aot_eager, which compiles in a fraction of the time).
+COMPILE_BACKEND = "inductor"
+
+
+def _compile_layers(model: nn.Module) -> None:
+    """Compile each decoder layer by itself (torchtitan's per-block compile), in place in its list."""
+    for layers in _decoder_layer_lists(model):
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=COMPILE_BACKEND)
+
+
+def _cold_compiles() -> Any:
+    """Inductor's and AOT autograd's caches off: every repetition compiles from scratch, as a first run does (with
+    them on, the second repetition would find the first one's kernels and report almost no compile time)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def _torchtitan_compiled(model: nn.Module) -> None:
+    """torchtitan's order (``apply_ac``, then ``apply_compile``): torch's checkpoint wrapper around each block, then
+    each wrapped block compiled, with no code of ours."""
+    _torch_checkpoint_wrapper(model)
+    _compile_layers(model)
+
+
 _TRL_OFFLOADING = "trl.models.activation_offloading"
 
 
@@ -154,6 +196,17 @@ ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "trl_offload_only": _trl_offloader(full=False),
     "trl_offload_full": _trl_offloader(full=True),
 }
+# The suite's block on decoder layers compiled one by one with inductor before fit (torchtitan's per-block compile;
+# the callbacks apply in setup, so the recompute and the save rules run inside each layer's graph), and torchtitan's
+# own order as their anchor. Each repetition compiles afresh (a new copy of the model, compile caches off): the
+# warm-up steps' excess over the median step is the compile time, reported apart. CPU has no allocator statistics
+# and torch's MemTracker, a dispatch mode, cannot see inside compiled graphs, so their memory is measured on CUDA only.
+COMPILED_MODES: Dict[str, Any] = {
+    "full_compiled": SUITE_MODES["full"],
+    "selective_attn_compiled": SUITE_MODES["selective_attn"],
+    "selective_attn_mm_compiled": SUITE_MODES["selective_attn_mm"],
+}
+COMPILED_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtitan_compiled": _torchtitan_compiled}
 # Layer offloading moves frozen weights, so these modes train LoRA adapters (r=8 on every decoder linear) on the
 # frozen base, with full checkpointing, and compare with the same LoRA run without LayerOffload (``lora_full``): the
 # whole device peak, not the activation peak. The value is LayerOffload's resident_layers ("L/4": a quarter of the
@@ -170,10 +223,11 @@ LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
 BUDGET_MODES: Dict[str, float] = {"budget_25": 0.25, "budget_50": 0.5, "budget_75": 0.75}
 BUDGET_BLOCK: Dict[str, Any] = {"selective": {"save": ["attention"]}}
 BUDGET_SETTLE_STEPS = 3
-MODES = {**SUITE_MODES, **BUDGET_MODES, **ANCHORS}
+MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
-ALL_SUITE_MODES = {**SUITE_MODES, **BUDGET_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
-ALL_ANCHORS = {**ANCHORS, **ACCELERATOR_ANCHORS}
+ALL_SUITE_MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
+ALL_ANCHORS = {**ANCHORS, **COMPILED_ANCHORS, **ACCELERATOR_ANCHORS}
+ALL_COMPILED = {**COMPILED_MODES, **COMPILED_ANCHORS}
 
 
 @dataclass
@@ -191,6 +245,7 @@ class Row:
     step_time_spread: Optional[float] = None
     budget_bytes: Optional[int] = None  # the budget modes: their budget, and what each decoder layer settled on
     budget_choices: Optional[List[str]] = None
+    compile_time_s: Optional[float] = None  # the compiled modes: the warm-up steps' excess over the median step
 
 
 class _BenchModule(pl.LightningModule):
@@ -227,9 +282,12 @@ class _BenchModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.capture_grads and self.grads is None and self.trainer.global_step == self.capture_step:
-            # torch's checkpoint_wrapper re-parents layers; strip its prefix so names match across modes
+            # torch's checkpoint_wrapper and torch.compile re-parent layers; strip their prefixes so names match
             self.grads = {
-                n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().float().cpu().clone()
+                n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad.detach()
+                .float()
+                .cpu()
+                .clone()
                 for n, p in self.named_parameters()
                 if p.grad is not None
             }
@@ -302,6 +360,8 @@ def _run_mode(
     model = copy.deepcopy(base)
     callbacks: List[pl.Callback] = []
     settle = 0
+    if mode in COMPILED_MODES:
+        _compile_layers(model)
     if mode in ALL_ANCHORS:
         ALL_ANCHORS[mode](model)
     elif mode in LAYER_OFFLOAD_MODES:
@@ -310,6 +370,8 @@ def _run_mode(
         callbacks, settle = callbacks_from_config({**BUDGET_BLOCK, "budget": budget}), BUDGET_SETTLE_STEPS
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
+    if mode in ALL_COMPILED and accelerator == "cpu":
+        measure = False  # MemTracker cannot see inside compiled graphs (see COMPILED_MODES)
     metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
     module = _BenchModule(model, capture, capture_step=1 + steps)  # every mode's last step but the budget's
     trainer = pl.Trainer(
@@ -325,7 +387,8 @@ def _run_mode(
     # Each sample is the whole [batch, seq] tensor; the loader adds the batch dim.
     loader = torch.utils.data.DataLoader(_SameBatch(batch, 2 + steps + settle), batch_size=None)
     try:
-        trainer.fit(module, loader)
+        with _cold_compiles() if mode in ALL_COMPILED else contextlib.nullcontext():
+            trainer.fit(module, loader)
     finally:
         module.leave_step_context()
     plan = callbacks[0].budget_plan if mode in BUDGET_MODES else None
@@ -369,7 +432,8 @@ def run_benchmark(
     accelerator = "gpu" if on_accelerator else "cpu"
     if modes is None:
         modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
-        modes += list(ANCHORS) + (list(ACCELERATOR_ANCHORS) if on_accelerator else [])
+        modes += list(COMPILED_MODES) + list(ANCHORS) + list(COMPILED_ANCHORS)
+        modes += list(ACCELERATOR_ANCHORS) if on_accelerator else []
         modes += list(LAYER_OFFLOAD_MODES) if on_accelerator else []
     unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
@@ -388,6 +452,7 @@ def run_benchmark(
     device_peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
     plans: Dict[str, Optional[Dict[str, Any]]] = {m: None for m in modes}
+    compile_times: Dict[str, List[float]] = {m: [] for m in modes}
     status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     for mode in modes:
         if status[mode] != "ok":
@@ -413,6 +478,8 @@ def run_benchmark(
                 status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 continue
             times[mode].append(statistics.median(metrics.step_times))
+            if mode in ALL_COMPILED:  # what the warm-up steps took beyond a step's time: compiling
+                compile_times[mode].append(sum(max(0.0, t - times[mode][-1]) for t in metrics.warmup_times))
             if rep == 0:
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
                 if metrics.peak is not None and metrics.peak.source == "cuda_allocator":
@@ -438,6 +505,7 @@ def run_benchmark(
                 peak_device_bytes=device_peaks[mode],
                 budget_bytes=plans[mode]["budget_bytes"] if plans[mode] else None,
                 budget_choices=plans[mode]["choices"] if plans[mode] else None,
+                compile_time_s=statistics.median(compile_times[mode]) if compile_times[mode] else None,
             )
         )
     return rows
@@ -475,7 +543,8 @@ def results_markdown(rows: List[Row]) -> str:
     by = {r.mode: r for r in rows}
     off, hf = by.get("off"), by.get("hf_native_full")
     offloaded = [r for r in rows if r.mode in LAYER_OFFLOAD_MODES]
-    rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES]
+    compiled = [r for r in rows if r.mode in ALL_COMPILED]
+    rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES and r.mode not in ALL_COMPILED]
     lines = [
         "| mode | kind | activation peak (MiB) | vs off | vs hf_native_full "
         "| step (s) | vs off | vs hf_native_full | max grad diff |",
@@ -491,6 +560,7 @@ def results_markdown(rows: List[Row]) -> str:
         )
     budgets = [r for r in rows if r.mode in BUDGET_MODES]
     text = "\n".join(lines) + "\n" + (_budget_markdown(budgets, rows) if budgets else "")
+    text += _compiled_markdown(compiled, by.get("full")) if compiled else ""
     text += _layer_offload_markdown(offloaded) if offloaded else ""
     return text + ("\n" + NOISE_NOTE + "\n" if "x~ |" in text else "")
 
@@ -547,6 +617,28 @@ def _step_and_diff(row: Row) -> Tuple[str, str]:
     else:
         step = f"{row.step_time_s:.3f}" if row.step_time_s is not None else "—"
     return step, f"{row.max_grad_diff:.1e}" if row.max_grad_diff is not None else "—"
+
+
+def _compiled_markdown(rows: List[Row], full: Optional[Row]) -> str:
+    """The compiled modes against eager ``full``: step time, compile time apart, and (on CUDA) the peak."""
+    lines = [
+        "",
+        "torch.compile (each decoder layer compiled by itself with inductor; the warm-up steps' excess over the "
+        "median step is the compile time, caches off; max grad diff against eager `off`; activation peak on CUDA "
+        "only, as MemTracker cannot see inside compiled graphs):",
+        "",
+        "| mode | kind | activation peak (MiB) | vs full | step (s) | vs full | compile (s) | max grad diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        step, diff = _step_and_diff(r)
+        compile_time = f"{r.compile_time_s:.1f}" if r.compile_time_s is not None else "—"
+        lines.append(
+            f"| `{r.mode}` | {r.kind} | {_mib(r.peak_activation_bytes)} | "
+            f"{_ratio(r.peak_activation_bytes, full and full.peak_activation_bytes)} | {step} | "
+            f"{_time_ratio(r, full)} | {compile_time} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _layer_offload_markdown(rows: List[Row]) -> str:
@@ -698,6 +790,8 @@ def _why_not_planned(modes: Sequence[str]) -> str:
         reasons.append("layer offloading saves weights, not activations")
     if any(m in BUDGET_MODES for m in modes):
         reasons.append("a budget row is the budget itself")
+    if any(m in ALL_COMPILED for m in modes):
+        reasons.append("a compiled row has no activation peak measured on CPU")
     return "; ".join(reasons)
 
 
@@ -862,7 +956,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         batch = args.batch or PRESETS[preset]["batch"]
         # the scaling check: measure every mode's peak at half the sequence too (activation modes: the layer
         # offloading modes train another model, LoRA, and save weights, not activations)
-        planned_rows = [r for r in rows if r.mode not in LAYER_OFFLOAD_MODES and r.mode not in BUDGET_MODES]
+        planned_rows = [r for r in rows if r.mode not in {**LAYER_OFFLOAD_MODES, **BUDGET_MODES, **ALL_COMPILED}]
         unplanned = [r.mode for r in rows if r not in planned_rows]
         modes = [r.mode for r in planned_rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)

@@ -32,6 +32,7 @@ class StepMetrics(Callback):
         step_times: Wall time of each timed step (seconds).
         losses: The training loss of each step.
         peak: The measured :class:`MemoryPeak`, once the measured step ran.
+        warmup_times: Wall time of each step left out of the step times (a compiled model compiles in them).
     """
 
     measure_step: int = 1
@@ -39,6 +40,7 @@ class StepMetrics(Callback):
     step_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)
     peak: Optional[MemoryPeak] = None
+    warmup_times: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -82,6 +84,8 @@ class StepMetrics(Callback):
                 rank_zero_warn(f"memory measurement failed ({type(err).__name__}: {err})")
         elif trainer.global_step > self.warmup_steps:
             self.step_times.append(elapsed)
+            return
+        self.warmup_times.append(elapsed)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._measurement is not None:
