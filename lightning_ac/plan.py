@@ -118,6 +118,8 @@ class Plan:
         self._trainer: Any = None
         self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
+        self._compiled_note = ""  # what compiled decoder layers change, for the applied line
+        self._inputs_around_compiled = 0  # compiled layers whose inputs offload.hidden_states moves around the call
 
     @property
     def applied(self) -> bool:
@@ -316,7 +318,13 @@ class Plan:
                 counted = f"{sum(self.recomputed)}/{len(modules)} {layers.noun}"
                 parts.append(f"checkpointing {counted} ({self._describe()})")
             if self.activation_offload is not None:
-                parts.append(self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed"))
+                described = self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed")
+                if self._inputs_around_compiled:
+                    described += (
+                        f" (the inputs of {self._inputs_around_compiled} compiled {layers.noun}: after each compiled "
+                        "forward, from what its graph saves)"
+                    )
+                parts.append(described)
         if parts:
             rank_zero_info("; ".join(parts))
         self._log_weight_streamer()
@@ -444,11 +452,21 @@ class Plan:
             self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
+        indices, above = compiled_layers(self.module, layers)
+        if above or compiled:
+            self._compiled_note = (
+                "compiled: recomputed inside the graphs, where the partitioner keeps attention's outputs"
+            )
+        elif indices:  # layers selected by name are the compiled wrappers themselves
+            self._compiled_note = (
+                "compiled: each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
+            )
         if hidden_states is not None:
             for index in compiled:
                 if self.recomputed[index]:
                     name, layer = layers.layers[index]
                     offload_inputs_of_compiled_layer(self.module, name, layer, hidden_states)
+                    self._inputs_around_compiled += 1
 
     def _check_compiled(self, layers: DecoderLayers) -> None:
         """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word (the
@@ -576,6 +594,8 @@ class Plan:
             parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
             if self.selective is not None and self.selective.compiled:
                 parts.append("compiled: the save rules apply when the graph is traced, without per-rule diagnostics")
+        if self._compiled_note:
+            parts.append(self._compiled_note)
         return ", ".join(parts)
 
     # -- report ---------------------------------------------------------------------------------------------
@@ -622,6 +642,7 @@ class Plan:
         streamer, budget = self.weight_streamer, self.budget
         self.activation_offload = self.selective = self._journal = self.weight_streamer = self.budget = None
         self.recomputed = []
+        self._compiled_note, self._inputs_around_compiled = "", 0
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
         home = torch.device("cpu") if after_exception else self._home_device(streamer)
         steps = [

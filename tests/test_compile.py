@@ -292,7 +292,7 @@ def compiled_calls(model: torch.nn.Module) -> List[object]:
         pytest.param("wrapper", True, marks=pytest.mark.slow),
     ],
 )
-def test_offload_hidden_states_moves_each_compiled_layers_inputs(base, plain, how, inductor):
+def test_offload_hidden_states_moves_each_compiled_layers_inputs(base, plain, how, inductor, caplog):
     # hooks around each layer's compiled call, in eager, take its inputs from what the graph saves after its
     # forward; by name the layer is the wrapper itself, and the hooks around its checkpoint call are eager already
     torch._dynamo.reset()
@@ -312,8 +312,12 @@ def test_offload_hidden_states_moves_each_compiled_layers_inputs(base, plain, ho
     hidden_states = 4 * 64 * 64 * 4  # 4 layers' (batch x sequence, hidden) float32 inputs
     if how == "wrapper_named":  # checkpoint's own saves outside its region: the hidden states, as in eager
         assert offload.last_step["hidden_states"] == {"tensors": 4, "bytes": hidden_states}
+        assert any("compiled: each checkpoint wraps a compiled layer" in m for m in caplog.messages)
     else:  # the graph saves its inputs: the hidden states, and the rotary cos and sin all layers share (moved once)
         assert offload.last_step["hidden_states"] == {"tensors": 6, "bytes": hidden_states + 2 * 32 * 16 * 4}
+        applied = next(m for m in caplog.messages if "checkpointing 4/4" in m)
+        assert "compiled: recomputed inside the graphs, where the partitioner keeps attention's outputs" in applied
+        assert "(the inputs of 4 compiled decoder layers: after each compiled forward" in applied
     assert offload.last_step["all"]["tensors"] == 0
     reference, _ = plain["layer", inductor]
     assert run.losses == reference.losses

@@ -127,13 +127,16 @@ def _hf_native_offload(model: nn.Module) -> None:
 
 
 def _decoder_layer_lists(model: nn.Module) -> List[nn.ModuleList]:
+    """The lists that hold the decoder layers (bare, or in torch's checkpoint wrapper)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def layer(module: nn.Module) -> nn.Module:
+        return getattr(module, "_checkpoint_wrapped_module", module)
 
     return [
         m
         for m in model.modules()
-        if isinstance(m, nn.ModuleList)
-        and any(isinstance(getattr(c, "_orig_mod", c), GradientCheckpointingLayer) for c in m)
+        if isinstance(m, nn.ModuleList) and any(isinstance(layer(c), GradientCheckpointingLayer) for c in m)
     ]
 
 
@@ -143,21 +146,31 @@ COMPILE_BACKEND = "inductor"
 
 def _compile_layers(model: nn.Module) -> None:
     """Compile each decoder layer by itself (torchtitan's per-block compile), in place in its list."""
-    for layers in _decoder_layer_lists(model):
+    lists = _decoder_layer_lists(model)
+    if not lists:
+        raise RuntimeError(f"no list of decoder layers found in {type(model).__name__} to compile")
+    for layers in lists:
         for i, layer in enumerate(layers):
             layers[i] = torch.compile(layer, backend=COMPILE_BACKEND)
 
 
 def _cold_compiles() -> Any:
-    """Inductor's and AOT autograd's caches off: every repetition compiles from scratch, as a first run does (with
-    them on, the second repetition would find the first one's kernels and report almost no compile time)."""
-    import torch._functorch.config
-    import torch._inductor.config
+    """Compile from scratch, as a first run does: dynamo's graphs dropped, and inductor's caches (its kernels, its
+    graphs and AOT autograd's, on disk and in memory) in a fresh directory. With them kept, a later mode or
+    repetition would find the kernels an earlier one built and report almost no compile time."""
+    from torch._inductor.utils import fresh_cache
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    return stack
+    torch._dynamo.reset()
+    return fresh_cache()
+
+
+def _warm_up_compiler() -> None:
+    """Compile a small forward and backward once, so that the first compiled mode does not pay what a process pays
+    only once (inductor's imports, its pool of compile workers: some 20 s on CPU) as its own compile time."""
+    layer = nn.Linear(8, 8)
+    with _cold_compiles():
+        torch.compile(layer, backend=COMPILE_BACKEND)(torch.randn(4, 8)).relu().sum().backward()
+    torch._dynamo.reset()
 
 
 def _torchtitan_compiled(model: nn.Module) -> None:
@@ -248,6 +261,10 @@ class Row:
     compile_time_s: Optional[float] = None  # the compiled modes: the warm-up steps' excess over the median step
 
 
+def _unwrapped_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 class _BenchModule(pl.LightningModule):
     def __init__(self, model: nn.Module, capture_grads: bool, capture_step: int = 0) -> None:
         super().__init__()
@@ -284,10 +301,7 @@ class _BenchModule(pl.LightningModule):
         if self.capture_grads and self.grads is None and self.trainer.global_step == self.capture_step:
             # torch's checkpoint_wrapper and torch.compile re-parent layers; strip their prefixes so names match
             self.grads = {
-                n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad.detach()
-                .float()
-                .cpu()
-                .clone()
+                _unwrapped_name(n): p.grad.detach().float().cpu().clone()
                 for n, p in self.named_parameters()
                 if p.grad is not None
             }
@@ -441,6 +455,8 @@ def run_benchmark(
     if any(m in BUDGET_MODES for m in modes):  # placed between full's peak and off's: those run first
         modes = [m for m in ("off", "full") if m not in modes] + modes
         modes = sorted(modes, key=lambda m: m in BUDGET_MODES)
+    if any(m in ALL_COMPILED for m in modes):
+        _warm_up_compiler()
     config = _model_config(preset, model)
     base = _build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
