@@ -83,6 +83,18 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
     assert json.loads((tmp_path / "results.json").read_text())[2]["compile_time_s"] > 0
 
 
+def test_the_compiled_rows_run_by_default_and_no_compiled_leaves_them_out():
+    from lightning_ac.bench import harness
+
+    compiled = set(harness.COMPILED_MODES) | set(harness.COMPILED_ANCHORS)
+    assert compiled <= set(harness.default_modes(on_accelerator=False))
+    assert not compiled & set(harness.default_modes(on_accelerator=True, compiled=False))
+    assert (
+        set(harness.default_modes(on_accelerator=False, compiled=False))
+        == set(harness.default_modes(on_accelerator=False)) - compiled
+    )
+
+
 @pytest.mark.slow
 def test_default_example_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -259,6 +271,8 @@ def test_labels_of_points_that_sit_together_are_kept_apart_and_led_to_their_poin
         (["--seq", "0"], "--seq 0: expected an integer >= 1"),
         (["--reps", "-1"], "--reps -1: expected an integer >= 1"),
         (["--budget-gib", "0"], "--budget-gib 0.0: expected a budget > 0 GiB"),
+        (["--modes", "full_compiled", "--budget-gib", "1"], "a compiled row is its eager mode, compiled"),
+        (["--modes", "full", "full_compiled", "--no-compiled"], "--modes asks for full_compiled"),
     ],
 )
 def test_arguments_the_benchmark_cannot_measure_with_are_refused(argv, message, capsys):

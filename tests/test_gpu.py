@@ -383,3 +383,48 @@ def test_cuda_host_and_device_memory_steady_over_a_long_run():
     make_trainer(callbacks, max_steps=24, accelerator="gpu").fit(LM(tiny_model("llama")), batches(n=24))
     assert_steady(host)
     assert device.bytes[0] == device.bytes[-1], device.bytes
+
+
+# -- torch.compile on CUDA: inductor's kernels, the real streams ---------------------------------------------
+
+
+def _layers_compiled(base):
+    """A copy of ``base`` with each decoder layer compiled by itself (inductor), torchtitan's way."""
+    torch._dynamo.reset()
+    model = clone(base)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer)
+    return model
+
+
+@pytest.mark.parametrize(
+    "checkpointing, offload",
+    [
+        ({}, {"hidden_states": "cpu"}),  # hooks around each compiled call move its inputs, right after its forward
+        ({}, {"all": "cpu", "min_offload_bytes": 0}),
+        ({"selective": {"save": ["aten::mm"]}}, None),  # the save rules inside inductor's graphs
+    ],
+)
+def test_compiled_layers_on_cuda_match_the_same_compiled_model_and_offload_lowers_the_peak(checkpointing, offload):
+    from test_compile import GraphLM
+
+    from lightning_ac import ActivationOffload
+
+    base = tiny_model("llama", hidden_size=256, intermediate_size=512, max_position_embeddings=4096)
+
+    def run(callbacks):
+        metrics = StepMetrics(measure_step=1)
+        module = gpu_fit(_layers_compiled(base), [*callbacks, metrics], max_steps=3, module_cls=GraphLM)
+        assert metrics.peak.source == "cuda_allocator"
+        return module, metrics.peak.activation_bytes
+
+    reference, full_peak = run([ActivationCheckpointing()])
+    offloading = ActivationOffload(**offload) if offload is not None else None
+    module, peak = run([ActivationCheckpointing(**checkpointing)] + ([offloading] if offloading else []))
+    # inductor fuses each graph as its saves allow, and its CUDA backward may sum with atomics: rounding apart
+    torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(reference.losses))
+    for name, grad in reference.grads.items():
+        torch.testing.assert_close(module.grads[name], grad, msg=name)
+    if offloading is not None:
+        assert sum(v["bytes"] for v in offloading.last_step.values()) > 0
+        assert peak < full_peak, (peak, full_peak)

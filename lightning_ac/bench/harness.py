@@ -426,6 +426,14 @@ def _layer_offload_mode(
     return model, callbacks
 
 
+def default_modes(on_accelerator: bool, compiled: bool = True) -> List[str]:
+    """Every mode that runs here, in table order; without the compiled ones unless ``compiled``."""
+    modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
+    modes += (list(COMPILED_MODES) if compiled else []) + list(ANCHORS) + (list(COMPILED_ANCHORS) if compiled else [])
+    modes += list(ACCELERATOR_ANCHORS) if on_accelerator else []
+    return modes + (list(LAYER_OFFLOAD_MODES) if on_accelerator else [])
+
+
 def run_benchmark(
     preset_name: str = "cpu-small",
     modes: Optional[List[str]] = None,
@@ -445,10 +453,7 @@ def run_benchmark(
     on_accelerator = torch.cuda.is_available()
     accelerator = "gpu" if on_accelerator else "cpu"
     if modes is None:
-        modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
-        modes += list(COMPILED_MODES) + list(ANCHORS) + list(COMPILED_ANCHORS)
-        modes += list(ACCELERATOR_ANCHORS) if on_accelerator else []
-        modes += list(LAYER_OFFLOAD_MODES) if on_accelerator else []
+        modes = default_modes(on_accelerator)
     unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**ALL_SUITE_MODES, **ALL_ANCHORS})}")
@@ -807,7 +812,7 @@ def _why_not_planned(modes: Sequence[str]) -> str:
     if any(m in BUDGET_MODES for m in modes):
         reasons.append("a budget row is the budget itself")
     if any(m in ALL_COMPILED for m in modes):
-        reasons.append("a compiled row has no activation peak measured on CPU")
+        reasons.append("a compiled row is its eager mode, compiled; its peak is measured on CUDA only")
     return "; ".join(reasons)
 
 
@@ -906,7 +911,10 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             f"--plan-seq {args.plan_seq}: it is the sequence length the budget planner plans for, and there is no "
             "--budget-gib to plan with; add --budget-gib, or leave --plan-seq out"
         )
-    unplanned = {**LAYER_OFFLOAD_MODES, **BUDGET_MODES}
+    compiled = [m for m in args.modes or [] if m in ALL_COMPILED]
+    if args.no_compiled and compiled:
+        parser.error(f"--no-compiled leaves out the compiled rows, and --modes asks for {' '.join(compiled)}")
+    unplanned = {**LAYER_OFFLOAD_MODES, **BUDGET_MODES, **ALL_COMPILED}
     if args.budget_gib is not None and args.modes and all(m in unplanned for m in args.modes):
         parser.error(
             f"--modes {' '.join(args.modes)} --budget-gib {args.budget_gib:g}: the planner compares the activation "
@@ -935,6 +943,12 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser.add_argument(
         "--model", default=None, help="a transformers model type with the preset's sizes (qwen3), or a JSON config"
     )
+    parser.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="leave out the torch.compile rows (they compile afresh in every repetition: seconds on cpu-small, "
+        "minutes on a large model)",
+    )
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -960,7 +974,8 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     log.setLevel(logging.WARNING)  # the suite's own logger: the table below is the output
     warnings.filterwarnings("ignore")
-    rows = run_benchmark(preset, args.modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
+    modes = args.modes or (default_modes(torch.cuda.is_available(), compiled=False) if args.no_compiled else None)
+    rows = run_benchmark(preset, modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
     table = results_markdown(rows)
     print(table)
     print(f"results: {args.out / 'results.md'}, {args.out / 'results.json'}, {args.out / 'memory_time.png'}")
