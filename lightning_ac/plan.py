@@ -407,7 +407,8 @@ class Plan:
         assert self.module is not None
         cfg = self.config
         modules = layers.modules
-        self._check_compiled(layers)
+        indices, above = compiled_layers(self.module, layers)
+        self._check_compiled(indices, above)
         context_fn: Optional[Callable[[], Any]] = None
         if cfg.selective is not None:
             storage = self.activation_offload.sac_storage if self.activation_offload is not None else None
@@ -417,8 +418,9 @@ class Plan:
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
         hidden_states = self.activation_offload.hidden_states if self.activation_offload is not None else None
-        # layers whose checkpoint call is inside a compiled graph of their own (whole-model compile is refused)
-        compiled = [i for i in compiled_layers(self.module, layers)[0] if compiled_call(self.module, *layers.layers[i])]
+        # layers whose checkpoint call is inside a compiled graph of their own (offload.hidden_states is refused
+        # under a compiled model)
+        compiled = [i for i in indices if compiled_call(self.module, *layers.layers[i])]
         if hidden_states is not None and compiled:
             # a compiled layer's inputs move around its compiled call (offload/compiled.py): hooks around its
             # checkpoint call would be inside the compiled region
@@ -452,7 +454,6 @@ class Plan:
             self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
-        indices, above = compiled_layers(self.module, layers)
         if above or compiled:
             self._compiled_note = (
                 "compiled: recomputed inside the graphs, where the partitioner keeps attention's outputs"
@@ -468,10 +469,14 @@ class Plan:
                     offload_inputs_of_compiled_layer(self.module, name, layer, hidden_states)
                     self._inputs_around_compiled += 1
 
-    def _check_compiled(self, layers: DecoderLayers) -> None:
+    def _check_compiled(self, indices: List[int], above: List[str]) -> None:
         """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word (the
-        selective policy checks its own parts under compile, and layer offloading its own)."""
-        indices, above = compiled_layers(self.module, layers)
+        selective policy checks its own parts under compile, and layer offloading its own).
+
+        Args:
+            indices: The compiled decoder layers, and ``above``, the compiled modules around them
+                (:func:`~lightning_ac.layers.compiled_layers`).
+        """
         compiled = describe_compiled(indices, above)
         if not compiled:
             return

@@ -289,7 +289,7 @@ def compiled_calls(model: torch.nn.Module) -> List[object]:
         ("wrapper", False),
         ("in_place", False),
         ("wrapper_named", False),
-        pytest.param("wrapper", True, marks=pytest.mark.slow),
+        pytest.param("wrapper", True, marks=pytest.mark.slow, id="wrapper-inductor"),
     ],
 )
 def test_offload_hidden_states_moves_each_compiled_layers_inputs(base, plain, how, inductor, caplog):
