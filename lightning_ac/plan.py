@@ -321,8 +321,8 @@ class Plan:
                 described = self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed")
                 if self._inputs_around_compiled:
                     described += (
-                        f" (the inputs of {self._inputs_around_compiled} compiled {layers.noun}: after each compiled "
-                        "forward, from what its graph saves)"
+                        f" (compiled {layers.noun}: {self._inputs_around_compiled}, their inputs moved after each "
+                        "compiled forward, from what its graph saves)"
                     )
                 parts.append(described)
         if parts:
@@ -420,7 +420,8 @@ class Plan:
         hidden_states = self.activation_offload.hidden_states if self.activation_offload is not None else None
         # layers whose checkpoint call is inside a compiled graph of their own (offload.hidden_states is refused
         # under a compiled model)
-        compiled = [i for i in indices if compiled_call(self.module, *layers.layers[i])]
+        calls = {i: compiled_call(self.module, *layers.layers[i]) for i in indices}
+        compiled = {i: call for i, call in calls.items() if call is not None}
         if hidden_states is not None and compiled:
             # a compiled layer's inputs move around its compiled call (offload/compiled.py): hooks around its
             # checkpoint call would be inside the compiled region
@@ -463,10 +464,9 @@ class Plan:
                 "compiled: each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
             )
         if hidden_states is not None:
-            for index in compiled:
+            for index, call in compiled.items():
                 if self.recomputed[index]:
-                    name, layer = layers.layers[index]
-                    offload_inputs_of_compiled_layer(self.module, name, layer, hidden_states)
+                    offload_inputs_of_compiled_layer(modules[index], call, hidden_states)
                     self._inputs_around_compiled += 1
 
     def _check_compiled(self, indices: List[int], above: List[str]) -> None:
@@ -474,8 +474,8 @@ class Plan:
         selective policy checks its own parts under compile, and layer offloading its own).
 
         Args:
-            indices: The compiled decoder layers, and ``above``, the compiled modules around them
-                (:func:`~lightning_ac.layers.compiled_layers`).
+            indices: The compiled decoder layers (:func:`~lightning_ac.layers.compiled_layers`).
+            above: The compiled modules around them.
         """
         compiled = describe_compiled(indices, above)
         if not compiled:

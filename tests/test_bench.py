@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_ac import bench
 
@@ -62,9 +63,18 @@ COMPILED = [
 def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, monkeypatch, backend):
     from lightning_ac.bench import harness
 
-    monkeypatch.setattr(harness, "COMPILE_BACKEND", backend)  # aot_eager runs the graphs as traced: exact
+    compiles = []
+
+    def counting(gm, example_inputs):  # each graph dynamo hands over: a compile
+        compiles.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    monkeypatch.setattr(harness, "COMPILE_BACKEND", counting)  # aot_eager runs the graphs as traced: exact
     tiny_preset(monkeypatch, reps=2)
     rows = bench.main(["--preset", "tiny", "--modes", *COMPILED, "--out", str(tmp_path)])
+    # the warm-up's graph, then every compiled row compiles afresh in each of the two repetitions (nothing reused
+    # from an earlier copy of the model): a graph for each of the two layers' calls at least
+    assert len(compiles) >= 1 + 4 * 2, len(compiles)
     by = {r.mode: r for r in rows}
     assert by["torchtitan_compiled"].kind == "anchor"
     for mode in COMPILED[2:]:
@@ -81,6 +91,21 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
     assert all(f"`{mode}`" in compiled_table for mode in COMPILED[2:])
     assert "`full_compiled`" not in table[: table.index("torch.compile (")], "compiled rows only in their table"
     assert json.loads((tmp_path / "results.json").read_text())[2]["compile_time_s"] > 0
+
+
+def test_compiled_rows_where_nothing_compiles_say_why_and_the_rest_runs(tmp_path, monkeypatch):
+    from lightning_ac.bench import harness
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(harness, "COMPILE_BACKEND", no_compiler)
+    tiny_preset(monkeypatch)
+    rows = bench.main(["--preset", "tiny", "--modes", "full", "full_compiled", "--out", str(tmp_path)])
+    by = {r.mode: r for r in rows}
+    assert by["full"].status == "ok"
+    assert by["full_compiled"].status.startswith("failed: torch.compile cannot compile here: ")
+    assert "no C++ compiler found" in by["full_compiled"].status
 
 
 def test_the_compiled_rows_run_by_default_and_no_compiled_leaves_them_out():

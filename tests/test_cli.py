@@ -81,10 +81,11 @@ def test_default_run_trains_and_writes_summary(tmp_path):
             "2/2",
             marks=pytest.mark.slow,
         ),
-        (  # the nested selective group (the README's first route to SAC)
+        pytest.param(  # the nested selective group (the README's first route to SAC): slow session only
             ["activation_checkpointing=full", "activation_checkpointing/selective=attention_mm"],
             {"selective": {"save": ["attention", "aten::mm"]}},
             "2/2",
+            marks=pytest.mark.slow,
         ),
         pytest.param(  # save_modules: the README's route below sets it too
             ["activation_checkpointing=full", "activation_checkpointing.selective={save:[],save_modules:[o_proj]}"],
@@ -121,6 +122,7 @@ def test_modes_apply(tmp_path, overrides, applied, checkpointed):
     assert f"checkpointing {checkpointed} decoder layers" in result.stdout + result.stderr
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_full_matches_off_loss_and_saves_memory(tmp_path):
     ok(train(tmp_path / "off"))
     ok(train(tmp_path / "full", "activation_checkpointing=full"))
@@ -224,9 +226,17 @@ def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
         (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
-        (["offload_verify_steps=-1"], ["offload_verify_steps: expected an integer >= 0, got -1"]),
-        # checked although no LayerOffload is built (layer_offloading is false)
-        (["layer_offloading_resident_layers=-3"], ["layer_offloading_resident_layers: expected an integer >= 0"]),
+        pytest.param(
+            ["offload_verify_steps=-1"],
+            ["offload_verify_steps: expected an integer >= 0, got -1"],
+            marks=pytest.mark.slow,
+        ),
+        # checked although no LayerOffload is built (layer_offloading is false): slow session only
+        pytest.param(
+            ["layer_offloading_resident_layers=-3"],
+            ["layer_offloading_resident_layers: expected an integer >= 0"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, overrides, fragments):
@@ -252,6 +262,7 @@ def test_help_lists_each_mode_with_a_line_not_the_schema():
     assert "summary.json" in text and "multirun/" in text
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_a_boolean_mode_and_a_run_too_short_to_measure(tmp_path):
     """activation_checkpointing=true (the block's own syntax) is the option full; two steps are all warm-up, and
     the job says nothing was timed instead of printing nan; it says where the summary went; and it prints no
@@ -285,6 +296,7 @@ def test_nested_groups_compose(tmp_path):
     assert summary(tmp_path)["activation_checkpointing"]["offload"]["all"] == "none"
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_legacy_key_is_migrated_with_warning(tmp_path):
     result = ok(train(tmp_path, "+gradient_checkpointing=true", "+gradient_checkpointing_kwargs.use_reentrant=true"))
     output = result.stdout + result.stderr
@@ -330,6 +342,7 @@ def test_multirun_writes_sweep_summary(tmp_path):
     assert result.returncode == 0
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_multirun_records_a_bad_value_and_runs_the_other_jobs(tmp_path):
     result = train(
         tmp_path, "activation_checkpointing=full", "activation_checkpointing.offload.hidden_states=disk,none",
@@ -374,6 +387,7 @@ def test_the_sweep_plot_labels_each_bar_with_its_value(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_a_sweep_over_budgets(tmp_path):
     # far below full's peak (every layer recomputed, with a warning) and far above off's (nothing recomputed)
     result = ok(
@@ -394,8 +408,14 @@ def test_a_sweep_over_budgets(tmp_path):
     "override, words",
     [
         ("activation_checkpointing.budget=lots", ["activation_checkpointing.budget", "'lots'", "GiB", "auto"]),
-        ("activation_checkpointing.budget=auto", ["budget: auto", "CUDA", "runs on cpu"]),
-        ("+activation_checkpointing.kwargs.every_n_layers=2", ["every_n_layers: 2", "remove budget"]),
+        pytest.param(  # slow session only, as the next
+            "activation_checkpointing.budget=auto", ["budget: auto", "CUDA", "runs on cpu"], marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "+activation_checkpointing.kwargs.every_n_layers=2",
+            ["every_n_layers: 2", "remove budget"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_bad_budgets_stop_before_training(tmp_path, override, words):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,6 +59,7 @@ def test_fsdp2_implementation_and_selective_under_fully_shard(tmp_path):
     assert "checkpointing 4/4 decoder layers (fsdp, non-reentrant, selective: save attention)" in logs
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_budget_picks_one_plan_on_every_rank_under_ddp_and_fsdp2(tmp_path):
     result, rows = run_two_ranks("budget_parity.py", tmp_path)
     assert sorted((r["mode"], r["rank"]) for r in rows) == sorted((m, rank) for m in ("ddp", "fsdp") for rank in (0, 1))

@@ -266,6 +266,7 @@ def assert_steady(measure: HostBytesAtSteps) -> None:
     assert growth < LAYER_INPUT_BYTES * steps / 2, measure.bytes
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 @pytest.mark.simulated
 def test_host_memory_is_steady_step_over_step_with_a_bitsandbytes_base(tmp_path):
     pytest.importorskip("bitsandbytes")

@@ -398,6 +398,7 @@ def _import_as_if(package, version, **env):
     )
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_importing_next_to_a_newer_torch_warns_once_on_rank_zero():
     newer = _import_as_if("torch", "2.99.0+cu130")
     assert newer.returncode == 0, newer.stderr

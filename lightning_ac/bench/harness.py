@@ -164,12 +164,13 @@ def _cold_compiles() -> Any:
     return fresh_cache()
 
 
-def _warm_up_compiler() -> None:
-    """Compile a small forward and backward once, so that the first compiled mode does not pay what a process pays
-    only once (inductor's imports, its pool of compile workers: some 20 s on CPU) as its own compile time."""
-    layer = nn.Linear(8, 8)
+def _warm_up_compiler(device: torch.device) -> None:
+    """Compile a small forward and backward once on ``device``, so that the first compiled mode does not pay what a
+    process pays only once (inductor's imports, its pool of compile workers: some 20 s on CPU; Triton's start-up on
+    CUDA) as its own compile time."""
+    layer = nn.Linear(8, 8, device=device)
     with _cold_compiles():
-        torch.compile(layer, backend=COMPILE_BACKEND)(torch.randn(4, 8)).relu().sum().backward()
+        torch.compile(layer, backend=COMPILE_BACKEND)(torch.randn(4, 8, device=device)).relu().sum().backward()
     torch._dynamo.reset()
 
 
@@ -460,8 +461,15 @@ def run_benchmark(
     if any(m in BUDGET_MODES for m in modes):  # placed between full's peak and off's: those run first
         modes = [m for m in ("off", "full") if m not in modes] + modes
         modes = sorted(modes, key=lambda m: m in BUDGET_MODES)
+    status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     if any(m in ALL_COMPILED for m in modes):
-        _warm_up_compiler()
+        try:
+            _warm_up_compiler(torch.device("cuda" if on_accelerator else "cpu"))
+        except Exception as err:  # noqa: BLE001 - no compiler here (no C++ toolchain): those rows say so
+            cause = getattr(err, "inner_exception", None) or err  # dynamo's BackendCompilerFailed wraps the cause
+            lines = str(cause).splitlines() or [""]
+            why = f"failed: torch.compile cannot compile here: {type(cause).__name__}: {lines[0][:160]}"
+            status.update({m: why for m in modes if m in ALL_COMPILED})
     config = _model_config(preset, model)
     base = _build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -474,7 +482,6 @@ def run_benchmark(
     grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
     plans: Dict[str, Optional[Dict[str, Any]]] = {m: None for m in modes}
     compile_times: Dict[str, List[float]] = {m: [] for m in modes}
-    status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     for mode in modes:
         if status[mode] != "ok":
             print(f"{mode}: {status[mode]}", file=sys.stderr, flush=True)
@@ -913,7 +920,10 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         )
     compiled = [m for m in args.modes or [] if m in ALL_COMPILED]
     if args.no_compiled and compiled:
-        parser.error(f"--no-compiled leaves out the compiled rows, and --modes asks for {' '.join(compiled)}")
+        parser.error(
+            f"--no-compiled leaves out the compiled rows, and --modes asks for {' '.join(compiled)}: drop "
+            "--no-compiled, or those modes"
+        )
     unplanned = {**LAYER_OFFLOAD_MODES, **BUDGET_MODES, **ALL_COMPILED}
     if args.budget_gib is not None and args.modes and all(m in unplanned for m in args.modes):
         parser.error(

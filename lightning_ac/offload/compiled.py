@@ -4,9 +4,9 @@ or ``layer.compile()``).
 Inside a compiled region dynamo cannot trace saved-tensor hooks: entered around the checkpoint call, as for an eager
 layer, they would make it run the layer eagerly, uncompiled, without a word. So for a compiled layer the hooks go
 around the compiled call itself, where the code is eager: torch runs them on what the compiled graph saves, right
-after that layer's forward. Of those saves only the layer's own inputs move (the hidden states its checkpoint
-keeps), as in eager, where the layer's other saves live in checkpoint's storage; the graph's other saves stay on
-the device (``offload.all`` moves those too).
+after that layer's forward. Of those saves only the layer's positional inputs move (the hidden states), as in
+eager, where non-reentrant checkpoint saves exactly those under the hooks; keyword inputs (rotary embeddings, the
+mask) and the graph's other saves stay on the device (``offload.all`` moves those too).
 
 The compiled call is an instance attribute that the plan's journal records: the wrapper's ``forward`` (an
 ``OptimizedModule``) or the layer's ``_compiled_call_impl`` (``layer.compile()``). Removal puts it back, and the
@@ -15,7 +15,6 @@ compiled graphs are untouched: they never see the hooks.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -56,28 +55,26 @@ def compiled_call(root: nn.Module, name: str, layer: nn.Module) -> Optional[Tupl
 
 
 def offload_inputs_of_compiled_layer(
-    root: nn.Module, name: str, layer: nn.Module, offloader: SavedTensorOffloader
+    layer: nn.Module, call: Tuple[nn.Module, str], offloader: SavedTensorOffloader
 ) -> None:
-    """Move the inputs that ``layer``'s compiled graph saves to the host, through ``offloader``, in training calls.
+    """Move the positional inputs that ``layer``'s compiled graph saves to the host, through ``offloader``, in
+    training calls.
 
     Args:
-        root: The module the layer's ``name`` is relative to.
-        name: The layer's qualified name.
-        layer: A decoder layer compiled by itself, checkpointed inside its graph (see :func:`compiled_call`).
+        layer: A decoder layer compiled by itself, checkpointed inside its graph.
+        call: Where eager code calls its compiled graph (:func:`compiled_call`).
         offloader: ``offload.hidden_states``'s hooks.
     """
-    found = compiled_call(root, name, layer)
-    assert found is not None, f"{name} is not compiled by itself"
-    owner, attribute = found
-    call: Callable[..., Any] = getattr(owner, attribute)
+    owner, attribute = call
+    compiled: Callable[..., Any] = getattr(owner, attribute)
 
-    @functools.wraps(call)
     def compiled_call_offloading_inputs(*args: Any, **kwargs: Any) -> Any:
         if not (layer.training and torch.is_grad_enabled()):
-            return call(*args, **kwargs)
+            return compiled(*args, **kwargs)
         # Storages, not tensors: the graph may save a view or an alias of an input rather than the input itself.
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # Plain tensors only: a wrapper subclass (DTensor) has no storage of its own to compare.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if type(t) is torch.Tensor}
         with offloader.hooks(only_storages=inputs):
-            return call(*args, **kwargs)
+            return compiled(*args, **kwargs)
 
     setattr(owner, attribute, compiled_call_offloading_inputs)
