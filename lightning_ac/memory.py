@@ -2,14 +2,16 @@
 
 On CUDA the allocator's statistics give the device peak. CPU has no allocator statistics, so a step is run under
 torch's ``MemTracker``, which attributes every allocation to a category (parameter, gradient, optimizer state,
-activation, temporary); the activation peak is the sum of the activation and temporary peaks. MemTracker slows the
-step it watches.
+activation, temporary); the activation peak is the most that activations and temporaries held together at any moment
+of the step. (MemTracker's own "peak" snapshot is taken where the step's *total* memory peaks: when gradients and
+optimizer state dominate, as in the first step after validation, whose gradients start as None, that moment can come
+after most activations are freed, and it read half the activation peak.) MemTracker slows the step it watches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -49,6 +51,7 @@ class _StepMeasurement:
         self._tracker: Any = None
         self._baseline = 0
         self._earlier = 0  # the peak before restart_peak
+        self._held = 0  # bytes that existed before the measurement started and stay through it
         self.result: Optional[MemoryPeak] = None
 
     def __enter__(self) -> _StepMeasurement:
@@ -63,11 +66,18 @@ class _StepMeasurement:
             self._tracker.__enter__()
         return self
 
+    def add_held(self, nbytes: int) -> None:
+        """Count ``nbytes`` that existed before a measurement started late in a step (the memory budget's, at the
+        first decoder layer of a batch of a new shape) and are held through it. On CUDA the allocator's baseline
+        already holds them."""
+        if self.device.type != "cuda":
+            self._held += nbytes
+
     def peak_so_far(self) -> int:
         """The activation peak since the measurement started, or since :meth:`restart_peak`."""
         if self.device.type == "cuda":
             return max(0, torch.cuda.max_memory_allocated(self.device) - self._baseline)
-        return _activation_peak(self._tracker)
+        return _activation_peak(self._tracker) + self._held
 
     def restart_peak(self) -> None:
         """From now on :meth:`peak_so_far` reads the peak of what follows (the memory budget: the output head's
@@ -76,10 +86,7 @@ class _StepMeasurement:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        tracker = self._tracker
-        if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap"):  # MemTracker's private records
-            tracker._peak_mem = {}
-            tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+        self._tracker.activation_peak = self._tracker.activation_now()
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
@@ -93,18 +100,13 @@ class _StepMeasurement:
         tracker.__exit__(*exc)
         if exc[0] is not None:
             return
-        activation = max(_activation_peak(tracker), self._earlier)
+        activation = max(_activation_peak(tracker) + self._held, self._earlier)
         self.result = MemoryPeak(activation, activation, "mem_tracker")
 
 
 def _activation_peak(tracker: Any) -> int:
-    """MemTracker's activation peak: the activation and temporary peaks, over the devices."""
-    peaks: Dict[Any, int] = {}
-    for stats in tracker.get_tracker_snapshot("peak").values():
-        for category, value in stats.items():
-            name = getattr(category, "value", category)
-            peaks[name] = peaks.get(name, 0) + int(value)
-    return peaks.get("Activation", 0) + peaks.get("Temp", 0)
+    """The most that activations and temporaries held together at any moment the tracker watched."""
+    return int(tracker.activation_peak)
 
 
 def _tracker_class() -> type:
@@ -115,11 +117,35 @@ def _tracker_class() -> type:
     - It tags everything allocated inside ``optimizer.step`` as optimizer state, but Lightning runs the
       forward and backward inside ``optimizer.step(closure)``: only the optimizer's state tensors are tagged
       (after the step), so activations stay activations.
+    - Its peak snapshot is the moment of the total peak, and keeping it walks every module's statistics after every
+      op: the activation peak is kept here instead, as the most activations and temporaries held at once (O(1) per
+      op).
+    - A root module called twice in a step (chosen and rejected halves, R-Drop, two views) is taken for the next
+      iteration and raises: its per-module statistics, which are not read here, are started again instead.
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    held = (_MemRefType.ACT, _MemRefType.TEMP)
+
     class FrozenAwareMemTracker(MemTracker):
+        activation_peak = 0
+
+        def activation_now(self) -> int:
+            return sum(snap.get(kind, 0) for snap in self._curr_mem_snap.values() for kind in held)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:  # type: ignore[override]
+            now = self.activation_now()
+            if now > self.activation_peak:
+                self.activation_peak = now
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:  # type: ignore[override]
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} <= {"Global"}:  # a root module's second call
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
         def _register_global_optimizer_hook(self) -> None:
             def track_states(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 self._track_optimizer_states(_MemRefType.OPT, optimizer)

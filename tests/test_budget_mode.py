@@ -210,7 +210,10 @@ def test_a_budget_below_full_warns_once_and_recomputes_everything(references):
     with pytest.warns(LightningACWarning, match="over the budget; training goes on recomputing every layer") as w:
         run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget)])
     ours = [str(m.message) for m in w if "over the budget" in str(m.message)]
-    assert len(ours) == 1 and "offload.hidden_states: cpu" in ours[0] and "layer_offloading: true" in ours[0]
+    # only advice that lowers the peak here: on the CPU host memory is the device's, so not offload.hidden_states;
+    # never layer offloading, whose streamed copies add to the activations' peak
+    assert len(ours) == 1 and "a smaller batch or shorter sequences" in ours[0]
+    assert "offload.hidden_states" not in ours[0] and "layer_offloading" not in ours[0]
     assert_exact(references["off"], run)
     assert all(choices == [Choice.recompute] * 4 for choices in probe.choices)
     assert [ops[MM] for ops in run.step_ops] == [ops[MM] for ops in references["full"].step_ops]

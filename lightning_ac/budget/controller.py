@@ -14,6 +14,10 @@ peak, correct it until it holds, and settle.
 4. A batch with more tokens than any measured is re-planned before its first layer runs, with the figures scaled
    per token; the layers are measured again in that step, and where their figures did not scale linearly, the
    planner says so and takes the measured ones.
+5. A batch whose shape of work is new (an attention mask appears with padding or packed documents, another
+   precision: :func:`~lightning_ac.budget.measure.shape_of_work`) is measured from its first layer on, on the CPU as
+   on CUDA, and checked like any choice: what the figures do not see is kept per shape of work, and the plan fits the
+   largest. A step over the budget is corrected and said.
 
 Under DDP and FSDP every rank must recompute the same layers: measurements are reduced (the largest) across the
 ranks before a choice is made, and the token count of each step is agreed the same way.
@@ -30,7 +34,7 @@ from torch import nn
 
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
-from lightning_ac.budget.measure import LayerMeter, LayerReading
+from lightning_ac.budget.measure import LayerMeter, LayerReading, held_bytes, shape_of_work
 from lightning_ac.budget.switch import LayerSwitch
 from lightning_ac.config import AUTO
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
@@ -113,8 +117,9 @@ class BudgetController:
         self.tokens = 0  # the tokens per step the figures hold for
         self.outside_bytes = 0  # saved outside the layers before the last one ran: held through their backward
         self.head_bytes = 0  # the output head's working set at its backward (what it saves, and its gradients)
-        self.calibration = 0  # measured peak less the figures' estimate: what they do not see
-        self.full_seconds = 0.0  # the estimated recompute time of every layer recomputed
+        self.calibration = 0  # measured peak less the figures' estimate: what they do not see (the largest below)
+        self._calibrations: Dict[tuple, int] = {}  # the calibration of each shape of work measured
+        self._shape: Optional[tuple] = None  # this step's shape of work, from its first layer call
         self.measured_peak: Optional[int] = None
         self.corrections = 0
         self.phase = _MEASURE
@@ -127,6 +132,8 @@ class BudgetController:
         self._over: set = set()  # the choices measured over the budget
         self._head_peak: Optional[int] = None  # the measuring step's peak when backward reached the layers
         self._measured: Dict[tuple, int] = {}  # the peak each measured choice had
+        self._measured_modules: List[nn.Module] = []  # what this step's measurement watches
+        self._measured_optimizers: List[torch.optim.Optimizer] = []
 
     # -- what the plan asks -----------------------------------------------------------------------------------
 
@@ -137,6 +144,11 @@ class BudgetController:
     @property
     def settled(self) -> bool:
         return self.phase == _SETTLED
+
+    @property
+    def full_seconds(self) -> float:
+        """The estimated recompute time of every layer recomputed, from the figures the plan holds now."""
+        return sum(f.recompute_seconds for f in self.figures or [])
 
     @property
     def estimated_peak(self) -> Optional[int]:
@@ -159,6 +171,7 @@ class BudgetController:
         elif self._trying_rules():
             self.meter.dry = False
             self.meter.start()
+        self._measured_modules, self._measured_optimizers = [module], list(optimizers)
         if self.phase != _SETTLED or self.device.type == "cuda":
             self._measurement = measure_step([module], list(optimizers), self.device, synchronize=False)
             self._measurement.__enter__()
@@ -193,7 +206,6 @@ class BudgetController:
             self.meter.on_first_recompute = None
             self._take_figures(readings)
             self._split_head(peak)
-            self.full_seconds = sum(f.recompute_seconds for f in self.figures or [])
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
             self._check(peak, first=True)
             return
@@ -258,21 +270,42 @@ class BudgetController:
         self.tokens = int(state["tokens"])
         self.calibration = int(state["calibration"])
         self.outside_bytes, self.head_bytes = int(state["outside_bytes"]), int(state["head_bytes"])
-        self.full_seconds = float(state["full_seconds"])
         self._set([Choice(c) for c in state["choices"]])
         self.phase, self._resumed = _CHECK, True
         rank_zero_info(f"budget: resuming with the checkpoint's plan ({self._summary()}); its first step checks it")
 
     # -- the loop ---------------------------------------------------------------------------------------------
 
-    def _before_layer(self, index: int, args: tuple) -> None:
-        """Before each layer call; the first of a step checks its tokens against the figures'."""
+    def _before_layer(self, index: int, function: Callable[..., Any], args: tuple) -> None:
+        """Before each layer call; the first of a step checks its tokens and its shape of work against the figures'."""
         if not self._first_call:
             return
         self._first_call = False
         tokens = int(self._agree([self.meter.note_tokens(args)])[0])
-        if self.figures is None or tokens <= self.tokens:
+        self._shape = shape_of_work(function, args)
+        if self.figures is None:
             return
+        if tokens > self.tokens:
+            self._more_tokens(tokens, args)
+        elif self.phase == _SETTLED and self._shape not in self._calibrations:
+            self._new_shape(function, args)
+
+    def _new_shape(self, function: Callable[..., Any], args: tuple) -> None:
+        """This step's layers get other inputs than any measured step's: measured from here, and checked."""
+        rank_zero_info(
+            "budget: this step's batch has another shape of work than the steps measured (e.g. an attention mask for "
+            "padding or packed sequences): measuring it against the budget"
+        )
+        self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these
+        self.corrections = 0
+        self.phase = _CHECK
+        if self._measurement is None:  # a settled plan on the CPU: nothing is measured until now
+            self._measurement = measure_step(self._measured_modules, self._measured_optimizers, self.device, False)
+            self._measurement.__enter__()
+            # what exists before the first layer and stays through the step: its input, the mask, the rotary tables
+            self._measurement.add_held(held_bytes(function, args, self.device))
+
+    def _more_tokens(self, tokens: int, args: tuple) -> None:
         ratio = tokens / self.tokens
         rank_zero_info(
             f"budget: this step has {tokens} tokens, more than the {self.tokens} measured: choosing again with the "
@@ -280,7 +313,12 @@ class BudgetController:
         )
         self._rescaled_from = self.figures
         self.figures = [_scaled(f, ratio) for f in self.figures]
+        self._calibrations = {shape: int(value * ratio) for shape, value in self._calibrations.items()}
         self.calibration = int(self.calibration * ratio)
+        # the choices measured at fewer tokens say nothing about these: the loop starts again
+        self._measured.clear()
+        self._over.clear()
+        self.corrections = 0
         self.outside_bytes, self.head_bytes = int(self.outside_bytes * ratio), int(self.head_bytes * ratio)
         self.tokens = tokens
         self._choose()
@@ -405,8 +443,10 @@ class BudgetController:
         if over and not first:
             self._over.add(tuple(choices))
         self._measured[tuple(choices)] = peak
-        # what the figures do not see, in this step; over the budget, a little more, so the next choice moves away
-        self.calibration = peak - self._estimate(choices, 0)[0] + (int(SLACK * budget) if over else 0)
+        # what the figures do not see, in this step; over the budget, a little more, so the next choice moves away.
+        # Kept per shape of work: the plan must fit the largest (padded batches beside unpadded ones)
+        self._calibrations[self._shape] = peak - self._estimate(choices, 0)[0] + (int(SLACK * budget) if over else 0)
+        self.calibration = max(self._calibrations.values())
         everything = [Choice.recompute] * len(choices)
         if over and choices == everything and not first:
             self._settle()
@@ -421,6 +461,7 @@ class BudgetController:
             under = [c for c, p in self._measured.items() if p <= budget]
             best = min(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)
             self._set(list(best))
+            self.measured_peak = self._measured.get(best)  # the settled plan's own peak, not the last step's
             self._settle()
             return
         if over and list(plan.choices) != choices:
@@ -467,9 +508,17 @@ class BudgetController:
         assert self.budget_bytes is not None
         rank_zero_warn(
             f"budget {format_bytes(self.budget_bytes)}: the step's activation peak is {format_bytes(peak)} {when}, "
-            "over the budget; training goes on recomputing every layer. To lower the peak further: "
-            "offload.hidden_states: cpu (on an accelerator), layer_offloading: true, or a smaller batch."
+            f"over the budget; training goes on recomputing every layer. To lower the peak further: {self._advice()}."
         )
+
+    def _advice(self) -> str:
+        """What lowers the activation peak below every layer recomputed, in this configuration. (Layer offloading
+        is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
+        ways = []
+        if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
+            ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
+        ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
+        return ", or ".join(ways)
 
     def _set(self, choices: List[Choice]) -> None:
         changed = choices != self.choices

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_ac.budget.choice import LayerFigures
 
-__all__ = ["LayerMeter", "LayerReading"]
+__all__ = ["LayerMeter", "LayerReading", "held_bytes", "shape_of_work"]
 
 
 def _identity(tensor: Any) -> Any:
@@ -46,6 +46,34 @@ def _bound_tensors(function: Callable[..., Any]) -> List[torch.Tensor]:
         elif isinstance(value, (tuple, list)):
             values.extend(value)
     return found
+
+
+def shape_of_work(function: Callable[..., Any], args: Sequence[Any]) -> tuple:
+    """What a layer call's memory depends on besides its token count: which inputs it gets, and of what kind (an
+    attention mask appears with padded batches, and with packed documents, whose position ids restart; another
+    precision; a cache). Sizes are left out: more tokens are planned for by scaling the figures."""
+
+    def kind(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", str(value.dtype), value.dim(), value.device.type)
+        if isinstance(value, (tuple, list)):
+            return tuple(kind(v) for v in value)
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        return type(value).__name__
+
+    keywords = getattr(function, "keywords", None) or {}
+    return tuple(kind(a) for a in args) + tuple((name, kind(keywords[name])) for name in sorted(keywords))
+
+
+def held_bytes(function: Callable[..., Any], args: Sequence[Any], device: torch.device) -> int:
+    """The bytes of a layer call's tensors on ``device`` (its inputs, and what is bound into it: the mask, the rotary
+    tables), each storage once: what exists before the first layer runs and stays through the step."""
+    seen: Dict[int, int] = {}
+    for tensor in [a for a in args if isinstance(a, torch.Tensor)] + _bound_tensors(function):
+        if tensor.device == device:
+            seen.setdefault(id(tensor.untyped_storage()), _nbytes(tensor))
+    return sum(seen.values())
 
 
 def _parameter_storages(module: nn.Module, device: torch.device) -> Set[int]:
@@ -109,7 +137,10 @@ class LayerReading:
         rule_bytes: What the save rules keep (or would keep, in a call that ran without them).
         forward_seconds: The forward call's time.
         recompute_seconds: The recompute's time (in backward), if it was recomputed.
-        calls: Calls seen (forward, then recompute).
+        calls: Calls seen (forwards, then recomputes).
+
+    A step may call the model more than once before its backward (chosen and rejected halves, R-Drop, two views):
+    every forward call holds what it saves until the backward, so the figures add up over the step's forward calls.
     """
 
     saved_bytes: int = 0
@@ -119,7 +150,8 @@ class LayerReading:
     forward_seconds: float = 0.0
     recompute_seconds: float = 0.0
     calls: int = 0
-    counted: bool = False
+    forwards_without_grad: int = 0  # a reentrant checkpoint's forwards: their graph is built by the recompute
+    counted: int = 0  # the calls whose saves were counted
     under_rules: bool = False
 
     def figures(self, input_held: bool, rules_held: bool, selective: bool) -> LayerFigures:
@@ -258,14 +290,21 @@ class LayerMeter:
 
         def measured(*args: Any) -> Any:
             reading.calls += 1
-            field = "forward_seconds" if reading.calls == 1 else "recompute_seconds"
-            if field == "recompute_seconds" and not self._recomputed:
+            # a recompute runs inside the backward's graph task; every other call is a forward of the step
+            in_backward = torch._C._current_graph_task_id() != -1
+            field = "recompute_seconds" if in_backward else "forward_seconds"
+            if in_backward and not self._recomputed:
                 self._recomputed = True
                 if self.on_first_recompute is not None:
                     self.on_first_recompute()
-            # Count where the graph is built: the forward, or the recompute of a reentrant checkpoint (whose forward
-            # runs without grad); only once per step, not in the non-reentrant recompute too.
-            return self._measured_call(index, reading, function, args, field, under_rules)
+            # Count where the graph is built: each forward, or the recompute of a reentrant checkpoint (whose
+            # forward runs without grad), once per forward; never in a non-reentrant recompute too.
+            if in_backward:
+                count = torch.is_grad_enabled() and reading.counted < reading.forwards_without_grad
+            else:
+                count = torch.is_grad_enabled()
+                reading.forwards_without_grad += not count
+            return self._measured_call(index, reading, function, args, field, under_rules, count)
 
         return measured
 
@@ -280,17 +319,24 @@ class LayerMeter:
             self._depth -= 1
 
     def _measured_call(
-        self, index: int, reading: LayerReading, function: Callable[..., Any], args: tuple, field: str, rules: bool
+        self,
+        index: int,
+        reading: LayerReading,
+        function: Callable[..., Any],
+        args: tuple,
+        field: str,
+        rules: bool,
+        count_saves: bool,
     ) -> Any:
-        if not torch.is_grad_enabled() or reading.counted:
+        if not count_saves:
             started = self._timer.start()
             try:
                 return function(*args)
             finally:  # a recompute that stops early raises out of the function
                 self._timer.stop(started, reading, field)
-        reading.counted = True
+        reading.counted += 1
         inputs = self._input_storages(args)
-        reading.input_bytes = sum(inputs.values())
+        reading.input_bytes += sum(inputs.values())
         for tensor in _bound_tensors(function):  # held by the call either way (the rotary tables, the mask)
             self._storages.first_sight(tensor)
 
@@ -309,7 +355,7 @@ class LayerMeter:
             out = function(*args)
         self._timer.stop(started, reading, field)
         if region is not None:
-            reading.rule_bytes = region.saved_bytes
+            reading.rule_bytes += region.saved_bytes
         reading.under_rules = rules  # what the rules kept is known once the checkpoint's call ends (stop)
         return out
 

@@ -27,8 +27,9 @@ class LayerSwitch:
         checkpoint_fn: The checkpoint function the plan would give the engines (torch's, or the hidden-state
             offload's wrapper of it).
         meter: Measures the layer's calls while started.
-        on_call: Called with the layer's index and inputs before the layer runs (the budget re-plans a step with
-            more tokens than any measured before its first layer runs).
+        on_call: Called with the layer's index, the layer call (its keyword inputs bound) and its inputs before the
+            layer runs (the budget re-plans a step with more tokens than any measured, or another shape of work,
+            before its first layer runs).
     """
 
     def __init__(
@@ -36,7 +37,7 @@ class LayerSwitch:
         index: int,
         checkpoint_fn: Callable[..., Any],
         meter: LayerMeter,
-        on_call: Optional[Callable[[int, tuple], None]] = None,
+        on_call: Optional[Callable[[int, Callable[..., Any], tuple], None]] = None,
     ) -> None:
         self.index = index
         self.checkpoint_fn = checkpoint_fn
@@ -46,7 +47,7 @@ class LayerSwitch:
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.on_call is not None:
-            self.on_call(self.index, args)
+            self.on_call(self.index, function, args)
         with self.meter.in_layer():
             if self.choice is Choice.keep:
                 return self.meter.wrap(self.index, function)(*args)
