@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -270,7 +272,20 @@ def parse_size(value: Any, name: str) -> int:
     Returns:
         The size in bytes.
     """
-    expected = "a size: a positive number of bytes or text with a unit (24GiB, 512MiB, 20GB, 300 MB)"
+    expected = "a size: a positive whole number of bytes or text with a unit (24GiB, 512MiB, 20GB, 300 MB)"
+    if isinstance(value, numbers.Number) and not isinstance(value, (bool, numbers.Integral)):
+        # 1e9 (how YAML and Hydra read that override) or a numpy float: whole numbers of bytes are sizes
+        whole = isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()
+        if not whole:
+            raise _expected(
+                name,
+                expected,
+                value,
+                "A size in bytes is a whole number: round it (e.g. 1500000000), or give it with a unit (1.5GB).",
+            )
+        value = int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # int, numpy integers
+        value = int(value)
     if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
         raise _expected(name, expected, value, "Give the activation memory one training step may use.")
     if isinstance(value, int):

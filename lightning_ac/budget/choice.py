@@ -14,18 +14,23 @@ its bytes while its backward runs:
 
 and the choice minimises the summed recompute time. The prefix sums only grow, so a dynamic programme over the layers
 in order, whose state is the bytes held so far, finds the optimum exactly (a knapsack with one constraint per
-backward position). Byte counts are rounded up to ``budget / resolution`` for the state, which can only overestimate
-the peak: a choice it returns always fits by the figures it was given.
+backward position). Its states are exact byte counts, none rounded: of the ways to reach a layer, only those that
+hold fewer bytes than every faster way are kept (a way that holds more and is no faster can only do worse from there
+on), which for a transformer's alike layers leaves a few states per layer. Should a model's layers be so unlike that
+the states pass :data:`MAX_STATES`, the slower ways are thinned out: the choice then still fits by the figures it was
+given, but may recompute more than the optimum.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Choice", "LayerFigures", "LayerPlan", "choose", "estimate"]
+__all__ = ["Choice", "LayerFigures", "LayerPlan", "choose", "estimate", "MAX_STATES"]
+
+# The most ways to reach a layer the programme keeps (see the module docstring; alike layers keep a few).
+MAX_STATES = 20_000
 
 
 class Choice(str, enum.Enum):
@@ -114,53 +119,56 @@ def estimate(
     return max(peak, held + head_bytes), seconds
 
 
+def _fastest_per_held(ways: List[Tuple[int, float, Tuple[Choice, ...]]]) -> List[Tuple[int, float, Tuple[Choice, ...]]]:
+    """Of ``(held, seconds, choices)`` ways, those that hold fewer bytes than every faster one, by held bytes."""
+    kept: List[Tuple[int, float, Tuple[Choice, ...]]] = []
+    for way in sorted(ways, key=lambda w: (w[0], w[1])):
+        if not kept or way[1] < kept[-1][1]:
+            kept.append(way)
+    if len(kept) > MAX_STATES:  # thinned evenly, the least-held and the fastest ways kept: every one still fits
+        step = len(kept) / MAX_STATES
+        kept = [kept[int(i * step)] for i in range(MAX_STATES - 1)] + [kept[-1]]
+    return kept
+
+
 def choose(
     layers: Sequence[LayerFigures],
     budget_bytes: int,
     outside_bytes: int = 0,
     head_bytes: int = 0,
-    resolution: int = 4096,
 ) -> LayerPlan:
-    """The per-layer choice with the least recompute time whose estimated peak is under ``budget_bytes``.
+    """The per-layer choice with the least recompute time whose estimated peak is under ``budget_bytes``, exactly.
 
     Args:
         layers: Each decoder layer's figures, in forward order.
         budget_bytes: The activation memory a step may use.
         outside_bytes: What is saved outside the layers and held through their backward (the embeddings' output).
         head_bytes: The output head's working set at its backward (logits and loss).
-        resolution: How many steps of bytes the programme's state has (its cost is ``layers x resolution x 3``).
 
     Returns:
-        The optimum, or every layer recomputed with ``fits=False`` when nothing fits.
+        The optimum (at equal time, the one holding the least), or every layer recomputed with ``fits=False`` when
+        nothing fits.
     """
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     everything = tuple(Choice.keep for _ in layers)
     peak, _ = estimate(layers, everything, outside_bytes, head_bytes)
-    if peak <= budget_bytes:  # the optimum whenever it fits, checked exactly (the programme's rounding could miss it)
+    if peak <= budget_bytes:
         return LayerPlan(everything, peak, 0.0, fits=True)
-    quantum = max(1, math.ceil(budget_bytes / resolution))
-
-    def units(nbytes: int) -> int:
-        return math.ceil(nbytes / quantum)  # rounded up: the estimate only grows
-
-    budget = budget_bytes // quantum
-    # state: units held so far -> (seconds, choices so far); only the cheapest way to reach each state matters
-    states: Dict[int, Tuple[float, Tuple[Choice, ...]]] = {units(outside_bytes): (0.0, ())}
+    # the ways to reach the next layer: (bytes held, seconds, choices so far)
+    ways: List[Tuple[int, float, Tuple[Choice, ...]]] = [(outside_bytes, 0.0, ())]
     for figures in layers:
-        following: Dict[int, Tuple[float, Tuple[Choice, ...]]] = {}
-        for held, (seconds, chosen) in states.items():
-            for choice, (layer_held, working, layer_seconds) in figures.options().items():
-                if held + units(working) > budget:
-                    continue
-                state, cost = held + units(layer_held), seconds + layer_seconds
-                if state not in following or cost < following[state][0]:
-                    following[state] = (cost, chosen + (choice,))
-        states = following
-    # the least time; at equal time, the least memory held
-    finishing: List[Tuple[float, int, Tuple[Choice, ...]]] = [
-        (seconds, held, chosen) for held, (seconds, chosen) in states.items() if held + units(head_bytes) <= budget
-    ]
+        options = figures.options().items()
+        ways = _fastest_per_held(
+            [
+                (held + layer_held, seconds + layer_seconds, chosen + (choice,))
+                for held, seconds, chosen in ways
+                for choice, (layer_held, working, layer_seconds) in options
+                if held + working <= budget_bytes
+            ]
+        )
+    # the least time; at equal time, the least memory held (the ways are ordered by held bytes)
+    finishing = [(seconds, held, chosen) for held, seconds, chosen in ways if held + head_bytes <= budget_bytes]
     if not finishing:
         choices: Tuple[Choice, ...] = tuple(Choice.recompute for _ in layers)
         peak, seconds = estimate(layers, choices, outside_bytes, head_bytes)
