@@ -72,6 +72,7 @@ class SuiteCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._step = _OptimizerStep()  # a new run: no optimizer step under way
+        self._shown_choices: Optional[tuple] = None  # the budget's choices the last table showed
         if self._plan is not None and self._plan.module is pl_module:
             return  # another suite callback applied the shared plan already
         peers = [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]
@@ -140,12 +141,24 @@ class SuiteCallback(Callback):
             budget.end_step()
             for name, value in budget.metrics().items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+            self._show_settled_table(budget)
         if self._is_first() and pl_module.device.type == "cuda":
             peak = float(torch.cuda.max_memory_allocated(pl_module.device))
             pl_module.log(
                 "lightning_ac/peak_memory_bytes", peak, on_step=True, on_epoch=False, batch_size=1,
                 prog_bar=any(cb.prog_bar for cb in self._peers),
             )  # fmt: skip
+
+    def _show_settled_table(self, budget: Any) -> None:
+        """With ``verbose``: the per-layer table again when the budget's plan settles, and whenever a settled plan
+        changes (the table at fit start shows the measuring step's choices)."""
+        if not budget.settled or not any(cb.verbose for cb in self._peers) or self._plan is None:
+            return
+        choices = tuple(budget.choices)
+        if choices == self._shown_choices:
+            return
+        self._shown_choices = choices
+        rank_zero_info("decoder layers, as the budget settled\n" + render_layer_table(self._plan.layer_rows()))
 
     def _is_first(self) -> bool:
         return self._plan is not None and bool(self._peers) and self._peers[0] is self

@@ -44,9 +44,11 @@ class _StepMeasurement:
         optimizers: List[torch.optim.Optimizer],
         device: torch.device,
         synchronize: bool = True,
+        inside_forward: bool = False,
     ):
         self.device = device
         self.synchronize = synchronize
+        self.inside_forward = inside_forward
         self.modules, self.optimizers = modules, optimizers
         self._tracker: Any = None
         self._baseline = 0
@@ -61,7 +63,7 @@ class _StepMeasurement:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
         else:
-            self._tracker = _tracker_class()()
+            self._tracker = _tracker_class()(self.inside_forward)
             self._tracker.track_external(*self.modules, *self.optimizers)
             self._tracker.__enter__()
         return self
@@ -109,6 +111,34 @@ def _activation_peak(tracker: Any) -> int:
     return int(tracker.activation_peak)
 
 
+class _NoModuleTracking:
+    """Stands in for MemTracker's module tracker in a measurement started inside a forward (the memory budget's, at
+    the first decoder layer of a batch of a new shape), where the module tracker, seeing calls end that it did not
+    see start, raises. The activation peak needs none of it: activations and temporaries are summed either way, and
+    gradients and optimizer state are told apart by hooks on the parameters and optimizers."""
+
+    parents = frozenset({"Global"})
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: torch.nn.Module) -> Optional[str]:
+        return None
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
 def _tracker_class() -> type:
     """torch's MemTracker, adapted to a Lightning training step.
 
@@ -130,6 +160,11 @@ def _tracker_class() -> type:
 
     class FrozenAwareMemTracker(MemTracker):
         activation_peak = 0
+
+        def __init__(self, inside_forward: bool = False) -> None:
+            super().__init__()
+            if inside_forward:  # module tracking cannot start inside a module's call: it is left out (see below)
+                self._mod_tracker = _NoModuleTracking()
 
         def activation_now(self) -> int:
             return sum(snap.get(kind, 0) for snap in self._curr_mem_snap.values() for kind in held)
@@ -178,10 +213,13 @@ def measure_step(
     optimizers: List[torch.optim.Optimizer],
     device: torch.device,
     synchronize: bool = True,
+    inside_forward: bool = False,
 ) -> _StepMeasurement:
     """A context manager measuring the memory peak of what runs inside it (``.result`` after exit).
 
     ``synchronize=False`` leaves CUDA's queue running: the allocator's figures are kept as the host allocates, so the
     memory budget, which reads them every step, does not stall the device (the benchmark waits, for its step times).
+    ``inside_forward=True`` starts it inside a module's forward (what existed before is not counted: see
+    :meth:`_StepMeasurement.add_held`).
     """
-    return _StepMeasurement(modules, optimizers, device, synchronize)
+    return _StepMeasurement(modules, optimizers, device, synchronize, inside_forward)

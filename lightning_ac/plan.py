@@ -26,6 +26,7 @@ from lightning_ac.budget import BudgetController, Choice
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES
 from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
+from lightning_ac.checkpoint.packed import notice_for
 from lightning_ac.config import (
     AUTO,
     ActivationOffloadRequest,
@@ -393,13 +394,15 @@ class Plan:
     def _cache_off_for_the_run(self, layers: DecoderLayers) -> None:
         """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every
         run whose model config asks for the cache: the configs say use_cache=False for the run instead (put back
-        at removal), so the log keeps to what a user should read."""
+        at removal), so the log keeps to what a user should read. Without a cache transformers masks packed
+        documents apart: a packed batch is said (:mod:`lightning_ac.checkpoint.packed`)."""
         for model in layers.hf_models:
             for module in model.modules():
                 config = getattr(module, "config", None)
                 if getattr(config, "use_cache", False) is True and all(config is not c for c in self._cache_configs):
                     config.use_cache = False
                     self._cache_configs.append(config)
+                    notice_for(module)  # packed batches are masked otherwise without the cache: said once
 
     def _install_recompute(self, layers: DecoderLayers) -> None:
         """Checkpoint the decoder layers with the engine the block names, and the policy and checkpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -11,7 +12,13 @@ import torch
 from conftest import LM, VOCAB, batches, clone, fit, make_trainer, model_fingerprint, tiny_model
 from torch import nn
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, callbacks_from_config
+from lightning_ac import (
+    ActivationCheckpointing,
+    ActivationOffload,
+    ConfigError,
+    LightningACWarning,
+    callbacks_from_config,
+)
 
 MM = "aten.mm"
 ADDMM = "aten.addmm"
@@ -529,3 +536,56 @@ def test_the_kv_cache_is_off_for_a_checkpointed_run_and_back_after(llama):
     probe.on_train_batch_start = lambda trainer, module, batch, batch_idx: seen.append(module.model.config.use_cache)
     fit(llama, [ActivationCheckpointing(), probe])
     assert seen == [False] and llama.config.use_cache is True
+
+
+class PackedLM(LM):
+    """Two documents packed in each sequence: position ids restart at the boundary, and no attention mask."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        half = ids.shape[1] // 2
+        positions = torch.cat([torch.arange(half), torch.arange(ids.shape[1] - half)]).expand(ids.shape[0], -1)
+        loss = self.model(input_ids=ids, labels=ids, position_ids=positions).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+@pytest.mark.parametrize("arguments", [{}, {"budget": 10**9}], ids=["hf", "budget"])
+def test_packed_batches_say_once_that_they_train_otherwise_without_the_cache(arguments):
+    """Without a KV cache (checkpointing turns it off, transformers' own too) transformers masks packed documents
+    apart; the same model with its default use_cache=True attends across them. Every loss differed from the run
+    without the suite, silently; now one warning names use_cache and the way to train the same either way, which
+    trains bit for bit as without the suite."""
+    base = tiny_model("llama")
+    with pytest.warns(LightningACWarning, match="packed sequences") as caught:
+        fit(clone(base), [ActivationCheckpointing(**arguments)], module_cls=PackedLM, max_steps=2)
+    ours = [str(w.message) for w in caught if "packed sequences" in str(w.message)]
+    assert len(ours) == 1 and "use_cache=False" in ours[0] and "model.config.use_cache = False" in ours[0]
+    assert base.config.use_cache is True
+    base.config.use_cache = False  # the way out the warning gives
+    plain = fit(clone(base), module_cls=PackedLM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningACWarning)
+        run = fit(clone(base), [ActivationCheckpointing(**arguments)], module_cls=PackedLM)
+    assert_same_training(plain, run)
+
+
+def test_packed_batches_with_layers_named_keep_the_models_cache_and_attention():
+    """Layers named by glob run under torch's checkpoint around their forward: the model keeps its cache (each
+    checkpointed call drops it), so packed documents are attended to as without the suite."""
+    base = tiny_model("llama")
+    plain = fit(clone(base), module_cls=PackedLM)
+    run = fit(clone(base), [ActivationCheckpointing(layers=["model.model.layers.*"])], module_cls=PackedLM)
+    assert_same_training(plain, run)
+
+
+def test_unpacked_batches_with_position_ids_say_nothing(llama):
+    class PositionsLM(LM):
+        def training_step(self, batch, batch_idx):
+            ids = batch[0]
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            return self.model(input_ids=ids, labels=ids, position_ids=positions).loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningACWarning)
+        fit(llama, [ActivationCheckpointing()], module_cls=PositionsLM, max_steps=2)

@@ -300,7 +300,9 @@ class BudgetController:
         self.corrections = 0
         self.phase = _CHECK
         if self._measurement is None:  # a settled plan on the CPU: nothing is measured until now
-            self._measurement = measure_step(self._measured_modules, self._measured_optimizers, self.device, False)
+            self._measurement = measure_step(
+                self._measured_modules, self._measured_optimizers, self.device, False, inside_forward=True
+            )
             self._measurement.__enter__()
             # what exists before the first layer and stays through the step: its input, the mask, the rotary tables
             self._measurement.add_held(held_bytes(function, args, self.device))
