@@ -90,11 +90,12 @@ def check_activation_checkpointing(others: FrozenSet[str]) -> None:
                 f"runs it {2 * reference.attention} times: the layers were not recomputed"
             )
         if len(calls) != LAYERS:
+            who = "transformers' layers" if engine == "hf" else "the torch engine's layer wrappers"
             raise SelfCheckFailed(
                 f"with {what}, the layers recomputed, but called the checkpoint function lightning_ac gave them "
-                f"{len(calls)} times in a step of {LAYERS} layers (once each): transformers' layers no longer "
-                "checkpoint through the function lightning_ac installs, so reentrant: true, offload.hidden_states "
-                "and the memory budget's choices would be ignored"
+                f"{len(calls)} times in a step of {LAYERS} layers (once each): {who} no longer checkpoint through "
+                "the function lightning_ac installs, so reentrant: true, offload.hidden_states and the memory "
+                "budget's choices would be ignored"
             )
         if any(grad == bool(reentrant) for grad in calls):
             asked, ran = ("reentrant", "non-reentrant") if reentrant else ("non-reentrant", "reentrant")
