@@ -19,7 +19,7 @@ from lightning_ac.selective import (
     register_mandatory_save,
     register_preferred_save,
 )
-from lightning_ac.selfcheck import IncompatibleReleaseError
+from lightning_ac.selfcheck import IncompatibleReleaseError, SelfCheckError
 from lightning_ac.verify import OffloadVerificationError
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "Placement",
     "SelectiveCheckpointingWarning",
     "SelectiveConfig",
+    "SelfCheckError",
     "apply_selective_checkpointing",
     "register_mandatory_save",
     "register_preferred_save",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import lightning.pytorch as pl
@@ -735,12 +736,27 @@ class _ProbeFailure(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _without_trainer_environment() -> Iterator[None]:
+    """The user's ``PL_TRAINER_*`` variables set aside: Lightning reads them as the defaults of every Trainer's
+    arguments, and the probe's must be its own (``PL_TRAINER_LIMIT_TRAIN_BATCHES=0.5`` makes its one-batch fit raise).
+    They are put back as they were, whatever happens."""
+    saved = {name: value for name, value in os.environ.items() if name.startswith("PL_TRAINER_")}
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def _probe_fit(fail: bool) -> List[str]:
     """The hooks a one-step fit on the CPU calls, in order (``fail``: its training step raises)."""
     probe = _HookProbe()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, callbacks=[probe], barebones=True, num_sanity_val_steps=0
-    )
+    with _without_trainer_environment():
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, callbacks=[probe], barebones=True, num_sanity_val_steps=0
+        )
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)), batch_size=2)
     try:
         trainer.fit(_ProbeModule(fail), data)

@@ -206,7 +206,10 @@ class Plan:
         cfg, request = self.config, self.activation_offload_request
         targets = request.offload.targets if request is not None and self._offload_here else []
         layer_offloading = self.layer_offload_request is not None
-        selfcheck.ensure(selfcheck.features_of(cfg.enabled, cfg.selective is not None, targets, layer_offloading))
+        budget = cfg.budget is not None
+        selfcheck.ensure(
+            selfcheck.features_of(cfg.enabled, cfg.selective is not None, targets, layer_offloading, budget)
+        )
 
     def _resolve_reentrant(self, trainer: pl.Trainer) -> None:
         """``reentrant: null`` means non-reentrant, except under DeepSpeed ZeRO-3, where non-reentrant recompute

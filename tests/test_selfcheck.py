@@ -188,6 +188,50 @@ def _callback_hook_reshaped(monkeypatch):
     monkeypatch.setattr(Callback, "on_train_batch_start", lambda self, trainer, pl_module, batch: None)
 
 
+def _layers_checkpoint_by_themselves(monkeypatch):
+    """transformers' layers checkpoint with torch's checkpoint directly (non-reentrant), no longer calling the
+    ``_gradient_checkpointing_func`` the suite installs or the kwargs it gave."""
+    import functools
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.forward.__wrapped__
+
+    def checkpointing(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return torch_checkpoint.checkpoint(functools.partial(forward, self, **kwargs), *args, use_reentrant=False)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", checkpointing)
+
+
+def _reentrant_dropped(monkeypatch):
+    """transformers installs torch's checkpoint non-reentrant whatever it is asked."""
+    import functools
+
+    from transformers import PreTrainedModel
+
+    set_checkpointing = PreTrainedModel._set_gradient_checkpointing
+
+    def non_reentrant(self, enable=True, gradient_checkpointing_func=torch_checkpoint.checkpoint, **kwargs):
+        keywords = {**getattr(gradient_checkpointing_func, "keywords", {}), "use_reentrant": False}
+        return set_checkpointing(self, enable, functools.partial(torch_checkpoint.checkpoint, **keywords), **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "_set_gradient_checkpointing", non_reentrant)
+
+
+def _outer_hooks_gone(monkeypatch):
+    """``torch._C._autograd._top_saved_tensors_default_hooks`` no longer exists."""
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+
+
+def _mem_tracker_measures_nothing(monkeypatch):
+    """MemTracker's snapshots no longer hold what they held (its records changed shape)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    monkeypatch.setattr(MemTracker, "get_tracker_snapshot", lambda self, kind="current": {})
+
+
 needs_respect_hooks = pytest.mark.skipif(
     not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch always keeps SAC's saves out of saved-tensor hooks"
 )
@@ -220,6 +264,17 @@ BROKEN = [
     ("callbacks", _callback_hook_removed, r"Callback has no on_before_backward hook"),
     ("callbacks", _callback_hook_reshaped, r"on_train_batch_start now takes \(self, trainer, pl_module, batch\)"),
     ("callbacks", _on_exception_not_called, r"a fit whose step raised called setup, configure_model, .*teardown"),
+    (
+        "activation_checkpointing",
+        _layers_checkpoint_by_themselves,
+        r"called the checkpoint function lightning_ac gave them 0 times .* no longer checkpoint through the function "
+        r"lightning_ac installs, so reentrant: true",
+    ),
+    ("activation_checkpointing", _reentrant_dropped, r"ran non-reentrant, where the block asks for reentrant"),
+    ("budget", _outer_hooks_hidden, r"_top_saved_tensors_default_hooks\), so nothing was recomputed"),
+    ("budget", _outer_hooks_gone, r"AttributeError: .*_top_saved_tensors_default_hooks"),
+    ("budget", _layers_checkpoint_by_themselves, r"no longer run through the budget's checkpoint functions"),
+    ("budget", _mem_tracker_measures_nothing, r"MemTracker measured no activation peak"),
 ]
 
 
@@ -325,9 +380,11 @@ def test_features_of_a_plan():
         "offload.selective",
         "layer_offloading",
     ]
-    assert set(selfcheck.features_of(True, True, ["hidden_states", "selective", "all"], True)) == set(
+    assert set(selfcheck.features_of(True, True, ["hidden_states", "selective", "all"], True, budget=True)) == set(
         selfcheck.FEATURES
     )
+    assert "budget" in selfcheck.features_of(True, False, [], False, budget=True)
+    assert "budget" not in selfcheck.features_of(False, False, [], False, budget=True), "nothing is recomputed"
 
 
 def _suite(selective=True):
@@ -490,3 +547,58 @@ def test_apply_selective_checkpointing_checks_itself_too(monkeypatch):
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(IncompatibleReleaseError, match=rf"selective does not work with torch {UNTESTED_TORCH}"):
         apply_selective_checkpointing(model)
+
+
+def test_a_memory_budget_on_an_untested_release_checks_itself(monkeypatch):
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    _outer_hooks_hidden(monkeypatch)
+    runs = _record_runs(monkeypatch)
+    with pytest.raises(IncompatibleReleaseError, match=rf"budget does not work with torch {UNTESTED_TORCH}"):
+        fit(clone(tiny_model("llama")), [ActivationCheckpointing(budget="1GiB")])
+    assert runs == ["activation_checkpointing", "budget"]
+
+
+# -- what a check does not blame on the release --------------------------------------------------------------------
+
+OFFLOADING = ["offload.hidden_states", "offload.selective", "offload.all", "layer_offloading"]
+
+
+def _host_memory_available(monkeypatch, nbytes):
+    import lightning_ac.offload.device as device
+
+    monkeypatch.setattr(device, "available_host_bytes", lambda: nbytes)
+
+
+@pytest.mark.parametrize("feature", OFFLOADING)
+def test_offloading_checks_pass_on_a_host_with_less_free_memory_than_the_default_reserve(feature, monkeypatch):
+    """A run's host reserve (2 GiB by default) is the run's: the toy's few KiB keep none."""
+    _host_memory_available(monkeypatch, 2**30)
+    selfcheck.run_check(feature)
+
+
+def test_a_check_that_runs_out_of_host_memory_says_so_and_does_not_blame_the_release(monkeypatch, capsys):
+    _host_memory_available(monkeypatch, 0)
+    _pretend(monkeypatch, torch=UNTESTED_TORCH)
+    import lightning_ac
+
+    with pytest.raises(lightning_ac.SelfCheckError) as raised:
+        selfcheck.ensure(["offload.all"])
+    message = str(raised.value)
+    assert message.startswith(
+        "lightning_ac: the self-check of offload.all could not run on this machine: the host has no memory left for "
+        "a toy model of a few KiB (HostMemoryError: "
+    ), message
+    assert f"This is not torch {UNTESTED_TORCH} breaking offload.all" in message and "Free host memory" in message
+    assert "does not work with" not in message and not isinstance(raised.value, IncompatibleReleaseError)
+    assert selfcheck._passed == {}, "a check that could not run runs again next time"
+    assert selfcheck.main(["offload.all"]) == 1
+    assert "ERROR offload.all: lightning_ac: the self-check of offload.all could not run" in capsys.readouterr().out
+
+
+def test_the_callbacks_probe_ignores_the_users_trainer_environment(monkeypatch):
+    import os
+
+    monkeypatch.setenv("PL_TRAINER_LIMIT_TRAIN_BATCHES", "0.5")
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "0")
+    selfcheck.run_check("callbacks")
+    assert os.environ["PL_TRAINER_LIMIT_TRAIN_BATCHES"] == "0.5" and os.environ["PL_TRAINER_MAX_STEPS"] == "0"
