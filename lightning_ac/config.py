@@ -220,8 +220,17 @@ def _expected(name: str, expected: str, value: Any, fix: str = "") -> ConfigErro
     return ConfigError(f"{name}: expected {expected}, got {value!r}." + (f" {fix}" if fix else ""))
 
 
+def _bool_text(value: Any) -> Optional[bool]:
+    """``"true"``/``"false"`` in any case as the boolean they spell (a YAML or command-line boolean that reached us
+    as text: jsonargparse keeps ``--x=true`` as text where the type also takes strings), else ``None``."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
+
+
 def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[bool]:
-    """A boolean field: ``True`` or ``False`` only (``"false"`` and ``0`` are errors, not falsy).
+    """A boolean field: ``True`` or ``False``, or the text ``"true"``/``"false"`` in any case (as YAML and command
+    lines write them). Other text (``"yes"``, ``"0"``) and numbers are errors, not truth values.
 
     Args:
         value: What the user gave.
@@ -230,9 +239,12 @@ def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[b
     """
     if value is None and allow_none:
         return None
+    text = _bool_text(value)
+    if text is not None:
+        return text
     if not isinstance(value, bool):
         expected = "true, false or null" if allow_none else "true or false"
-        if isinstance(value, str):  # "false" would read as true if taken as a truth value: say it is text
+        if isinstance(value, str):  # "yes" would read as true if taken as a truth value: say it is text
             booleans = "True, False or None" if allow_none else "True or False"
             raise _expected(
                 name, expected, value, f"It is text, not a boolean: set {name} to {expected} (in Python {booleans})."
@@ -335,7 +347,11 @@ def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
 
 
 def parse_placement(value: Any, name: str) -> Placement:
-    """Normalise one offload target (``none``/``cpu``/``true``/``false``); ``disk`` is rejected for now."""
+    """Normalise one offload target (``none``/``cpu``, or ``true``/``false`` as booleans or text, any case);
+    ``disk`` is rejected for now."""
+    text = _bool_text(value)
+    if text is not None:
+        value = text
     if isinstance(value, bool):
         return Placement.cpu if value else Placement.none
     if value is None:
@@ -345,10 +361,20 @@ def parse_placement(value: Any, name: str) -> Placement:
         if placement is Placement.disk:
             raise ConfigError(
                 f"{name}: 'disk' is rejected for now: disk offload is disabled pending a fix. "
-                f"Use {name}: cpu to keep these tensors in host memory instead."
+                f"{_set_to(name, 'cpu')} to keep these tensors in host memory instead."
             )
         return placement
-    raise _expected(name, "none, cpu (or true/false)", value, f"Set {name}: cpu or {name}: none.")
+    raise _expected(name, "none, cpu, true or false", value, f"{_set_to(name, 'cpu', 'none')}.")
+
+
+def _set_to(name: str, *values: str) -> str:
+    """How to set a field to one of ``values``, in the user's terms: ``Pass hidden_states='cpu' or
+    hidden_states='none'`` for an argument written ``ActivationOffload(hidden_states=...)``, ``Set <key>: cpu or
+    <key>: none`` for a block key."""
+    argument = re.fullmatch(r"\w+\((\w+)=\.\.\.\)", name)
+    if argument:
+        return "Pass " + " or ".join(f"{argument.group(1)}={value!r}" for value in values)
+    return "Set " + " or ".join(f"{name}: {value}" for value in values)
 
 
 def _parse_str_list(value: Any, name: str) -> List[str]:
@@ -400,7 +426,7 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected a mapping of torch.utils.checkpoint arguments, got {value!r}.")
     kwargs = dict(value)
-    for key, arg in kwargs.items():
+    for key, arg in list(kwargs.items()):
         if key in _SET_BY_US:
             raise ConfigError(
                 f"{where}.{key}: lightning_ac sets {key} itself, so it cannot be passed. Remove it from kwargs."
@@ -430,7 +456,9 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
                 f"argument. Accepted keys: {', '.join(sorted(CHECKPOINT_KWARGS | {'every_n_layers'}))}."
             )
         types = _KWARG_TYPES.get(key)
-        if types and not isinstance(arg, types):
+        if types == (bool,):
+            kwargs[key] = parse_bool(arg, f"{where}.{key}")
+        elif types and not isinstance(arg, types):
             raise _expected(f"{where}.{key}", types[0].__name__, arg)
     if "determinism_check" in kwargs and kwargs["determinism_check"] not in ("default", "none"):
         raise _expected(f"{where}.determinism_check", "'default' or 'none'", kwargs["determinism_check"])
