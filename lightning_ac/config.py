@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.utils.checkpoint
 
-from lightning_ac.layers import LayerSpec
+from lightning_ac.layers import LayerSpec, layer_class
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -333,7 +333,9 @@ def _parse_verify(request: Any, where: str) -> None:
 
 
 def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
-    """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs."""
+    """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs. A string that
+    imports as ``package.module.Class`` to an ``nn.Module`` subclass becomes that class (LightningCLI and YAML configs
+    name classes by their path); any other string is a glob (:func:`~lightning_ac.layers.layer_class`)."""
     if value is None:
         return None
     if isinstance(value, (str, type)) or not all(isinstance(s, (str, type)) for s in value):
@@ -341,9 +343,9 @@ def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
             name,
             "a list of layer classes or module-name globs",
             value,
-            "Write layers=[MyBlock] or layers=['model.blocks.*'].",
+            "Write layers=[MyBlock], layers=['my_package.blocks.MyBlock'] or layers=['model.blocks.*'].",
         )
-    return list(value)
+    return [(layer_class(s) or s) if isinstance(s, str) else s for s in value]
 
 
 def parse_placement(value: Any, name: str) -> Placement:

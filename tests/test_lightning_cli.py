@@ -179,3 +179,16 @@ def test_a_value_of_the_wrong_type_is_refused_at_parse_time(
     assert status == 2, output
     assert key in output and repr(list(init_args.values())[0]).strip("'") in output, output
     assert "Trainer.fit" not in output
+
+
+def test_a_layer_class_path_in_layers_names_the_class(cli_main, capsys, caplog, tmp_path):
+    # YAML holds no classes: the class path the README's rule reads as a class, not as a module-name glob
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    path = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    config = with_init_args(tmp_path, "layer_offload", 1, layers=[path])
+    status, output, cli = run_in_process(cli_main, ["fit", "--config", str(config), *SMALL], capsys, caplog)
+    assert status == 0, output
+    offload = next(c for c in cli.trainer.callbacks if type(c).__name__ == "LayerOffload")
+    assert offload.layers == [LlamaDecoderLayer]
+    assert offload.last_step["loads"] > 0, "the layers of that class were streamed"
