@@ -35,6 +35,7 @@ __all__ = [
     "OffloadConfig",
     "Placement",
     "SelectiveConfig",
+    "check_block_key",
     "check_combination",
     "merge_requests",
     "parse_bool",
@@ -213,6 +214,21 @@ def _reject_unknown(mapping: Mapping, known: tuple, where: str) -> None:
             f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}. "
             f"Valid fields are: {', '.join(known)}. Check the spelling or remove the field."
         )
+
+
+def check_block_key(key: str) -> None:
+    """A dotted key into the block, as a Hydra override writes it (``activation_checkpointing.offload.gpu=cpu``):
+    a :class:`ConfigError` naming the unknown field and the valid ones, as :func:`parse_config` would, when the block
+    has no such field. A command line can then fail on the key the user wrote rather than on the name of the
+    structured config behind it. Keys outside the block, and the free-form ``kwargs``, are not checked here.
+    """
+    parts = key.split(".")
+    if parts[0] != "activation_checkpointing" or len(parts) < 2:
+        return
+    _reject_unknown([parts[1]], _FIELDS, "activation_checkpointing")
+    nested = {"offload": OFFLOAD_TARGETS, "selective": _SELECTIVE_FIELDS}
+    if len(parts) > 2 and parts[1] in nested:
+        _reject_unknown([parts[2]], nested[parts[1]], f"activation_checkpointing.{parts[1]}")
 
 
 def _expected(name: str, expected: str, value: Any, fix: str = "") -> ConfigError:

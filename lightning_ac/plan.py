@@ -285,7 +285,8 @@ class Plan:
         if self.device is not None and self.device.type == "cpu" and not request.copy_on_host:
             rank_zero_info(
                 "activation offloading does nothing on a CPU-only trainer (the activations already live in host "
-                "memory); ActivationOffload(copy_on_host=True) forces the copies, for tests and debugging"
+                "memory); to force the copies, for tests and debugging, pass ActivationOffload(copy_on_host=True) "
+                "(Hydra: offload_copy_on_host=true)"
             )
             return False
         return True
