@@ -292,7 +292,8 @@ class ActivationCheckpointing(SuiteCallback):
 class ActivationOffload(SuiteCallback):
     """Move saved activations to host memory until backward needs them.
 
-    Targets (each ``"none"`` or ``"cpu"``; ``True``/``False`` mean cpu/none):
+    Targets (each ``"none"`` or ``"cpu"``; ``True``/``False``, or the text ``"true"``/``"false"`` in any case, mean
+    cpu/none):
 
     - ``hidden_states``: each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`.
     - ``selective``: what the selective checkpointing policy saves. Needs ``ActivationCheckpointing(selective=...)``.

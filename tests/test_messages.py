@@ -81,7 +81,7 @@ def _train(*overrides: str) -> subprocess.CompletedProcess:
     "override, expected",
     [
         ("activation_checkpointing.foo=1", "error: activation_checkpointing: unknown field(s) 'foo'. Valid fields"),
-        ("+activation_checkpointing.offload.gpu=cpu", "error: activation_checkpointing.offload: unknown field(s)"),
+        ("activation_checkpointing.offload.gpu=cpu", "error: activation_checkpointing.offload: unknown field(s)"),
         ("activation_checkpointing.selective.saves=[attention]", "error: activation_checkpointing.selective: unknown"),
     ],
 )
