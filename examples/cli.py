@@ -7,7 +7,8 @@
 
 jsonargparse checks each argument against the callbacks' type hints before anything is built; the suite's own
 checks (a budget it cannot read, an offload target without checkpointing...) raise ``ConfigError`` when the
-callbacks are built, also before any training step. Needs ``pip install "jsonargparse[signatures]"``.
+callbacks are built, also before any training step: ``lightning_ac.cli.LightningCLI`` (Lightning's, with that) prints
+its message and exits with status 2, as jsonargparse does for its own. Needs ``pip install "jsonargparse[signatures]"``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from pathlib import Path
 from typing import List, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lm import CausalLM, build_model, make_dataloader  # noqa: E402
+
+from lightning_ac.cli import LightningCLI  # noqa: E402  (Lightning's, a ConfigError shown as an error: exit 2)
 
 # peft asks transformers for this deprecated property when wrapping a model: noise for the user, not ours.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

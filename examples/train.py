@@ -44,7 +44,14 @@ from lightning_ac import (  # noqa: E402
     migrate_legacy,
 )
 from lightning_ac.bench.memory import StepMetrics  # noqa: E402
-from lightning_ac.config import OffloadConfig, config_to_dict, parse_bool, parse_config, parse_count  # noqa: E402
+from lightning_ac.config import (  # noqa: E402
+    OffloadConfig,
+    check_block_key,
+    config_to_dict,
+    parse_bool,
+    parse_config,
+    parse_count,
+)
 from lightning_ac.legacy import find_legacy_keys  # noqa: E402
 
 log = logging.getLogger("train")
@@ -293,6 +300,20 @@ def _append_to_job_log(line: str) -> None:
             f.write(line + "\n")
 
 
+def _check_block_keys(argv: List[str]) -> None:
+    """An override of a field the block lacks fails on the key the user wrote, with the block's own message, where
+    Hydra would name the structured config behind it (``Key 'foo' not in 'BlockSchema'``)."""
+    for arg in argv[1:]:
+        key, sep, _ = arg.partition("=")
+        if sep:
+            check_block_key(key.lstrip("+~"))
+
+
 if __name__ == "__main__":
+    try:
+        _check_block_keys(sys.argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     sys.argv = _selective_true_with_its_fields(_boolean_choices_as_options(sys.argv))
     main()

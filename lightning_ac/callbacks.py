@@ -189,7 +189,9 @@ class ActivationCheckpointing(SuiteCallback):
         selective: Selective activation checkpointing: ``True`` (save attention) or a mapping with ``save``,
             ``save_modules``, ``save_matmul_min_k``, ``save_sliding_window``, ``recompute_layer_types``.
         layers: For models that are not transformers models: the decoder layers, as layer classes or globs
-            over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers.
+            over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers. A string that
+            imports as ``package.module.Class`` to an ``nn.Module`` subclass names that class (a YAML or LightningCLI
+            config names classes so); any other string is a glob.
         budget: The memory budget: the activation memory one training step may use, as bytes or text with a unit
             (``"24GiB"``, ``"512MiB"``, ``"20GB"``), or ``"auto"`` (CUDA: the memory free at the first step, less a
             margin). The first step recomputes every layer and measures each; from then on the layers that fit keep
@@ -304,7 +306,8 @@ class ActivationCheckpointing(SuiteCallback):
 class ActivationOffload(SuiteCallback):
     """Move saved activations to host memory until backward needs them.
 
-    Targets (each ``"none"`` or ``"cpu"``; ``True``/``False`` mean cpu/none):
+    Targets (each ``"none"`` or ``"cpu"``; ``True``/``False``, or the text ``"true"``/``"false"`` in any case, mean
+    cpu/none):
 
     - ``hidden_states``: each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`.
     - ``selective``: what the selective checkpointing policy saves. Needs ``ActivationCheckpointing(selective=...)``.

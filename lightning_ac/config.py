@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.utils.checkpoint
 
-from lightning_ac.layers import LayerSpec
+from lightning_ac.layers import LayerSpec, layer_class
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -37,6 +37,7 @@ __all__ = [
     "OffloadConfig",
     "Placement",
     "SelectiveConfig",
+    "check_block_key",
     "check_combination",
     "merge_requests",
     "parse_bool",
@@ -217,13 +218,37 @@ def _reject_unknown(mapping: Mapping, known: tuple, where: str) -> None:
         )
 
 
+def check_block_key(key: str) -> None:
+    """A dotted key into the block, as a Hydra override writes it (``activation_checkpointing.offload.gpu=cpu``):
+    a :class:`ConfigError` naming the unknown field and the valid ones, as :func:`parse_config` would, when the block
+    has no such field. A command line can then fail on the key the user wrote rather than on the name of the
+    structured config behind it. Keys outside the block, and the free-form ``kwargs``, are not checked here.
+    """
+    parts = key.split(".")
+    if parts[0] != "activation_checkpointing" or len(parts) < 2:
+        return
+    _reject_unknown([parts[1]], _FIELDS, "activation_checkpointing")
+    nested = {"offload": OFFLOAD_TARGETS, "selective": _SELECTIVE_FIELDS}
+    if len(parts) > 2 and parts[1] in nested:
+        _reject_unknown([parts[2]], nested[parts[1]], f"activation_checkpointing.{parts[1]}")
+
+
 def _expected(name: str, expected: str, value: Any, fix: str = "") -> ConfigError:
     """The one shape of a field error: the field as the user wrote it, what it takes, what it got, the fix."""
     return ConfigError(f"{name}: expected {expected}, got {value!r}." + (f" {fix}" if fix else ""))
 
 
+def _bool_text(value: Any) -> Optional[bool]:
+    """``"true"``/``"false"`` in any case as the boolean they spell (a YAML or command-line boolean that reached us
+    as text: jsonargparse keeps ``--x=true`` as text where the type also takes strings), else ``None``."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
+
+
 def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[bool]:
-    """A boolean field: ``True`` or ``False`` only (``"false"`` and ``0`` are errors, not falsy).
+    """A boolean field: ``True`` or ``False``, or the text ``"true"``/``"false"`` in any case (as YAML and command
+    lines write them). Other text (``"yes"``, ``"0"``) and numbers are errors, not truth values.
 
     Args:
         value: What the user gave.
@@ -232,9 +257,12 @@ def parse_bool(value: Any, name: str, *, allow_none: bool = False) -> Optional[b
     """
     if value is None and allow_none:
         return None
+    text = _bool_text(value)
+    if text is not None:
+        return text
     if not isinstance(value, bool):
         expected = "true, false or null" if allow_none else "true or false"
-        if isinstance(value, str):  # "false" would read as true if taken as a truth value: say it is text
+        if isinstance(value, str):  # "yes" would read as true if taken as a truth value: say it is text
             booleans = "True, False or None" if allow_none else "True or False"
             raise _expected(
                 name, expected, value, f"It is text, not a boolean: set {name} to {expected} (in Python {booleans})."
@@ -336,7 +364,9 @@ def _parse_verify(request: Any, where: str) -> None:
 
 
 def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
-    """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs."""
+    """``layers=``: ``None`` (find transformers layers), or a list of layer classes / module-name globs. A string that
+    imports as ``package.module.Class`` to an ``nn.Module`` subclass becomes that class (LightningCLI and YAML configs
+    name classes by their path); any other string is a glob (:func:`~lightning_ac.layers.layer_class`)."""
     if value is None:
         return None
     if isinstance(value, (str, type)) or not all(isinstance(s, (str, type)) for s in value):
@@ -344,13 +374,17 @@ def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
             name,
             "a list of layer classes or module-name globs",
             value,
-            "Write layers=[MyBlock] or layers=['model.blocks.*'].",
+            "Write layers=[MyBlock], layers=['my_package.blocks.MyBlock'] or layers=['model.blocks.*'].",
         )
-    return list(value)
+    return [(layer_class(s) or s) if isinstance(s, str) else s for s in value]
 
 
 def parse_placement(value: Any, name: str) -> Placement:
-    """Normalise one offload target (``none``/``cpu``/``true``/``false``); ``disk`` is rejected for now."""
+    """Normalise one offload target (``none``/``cpu``, or ``true``/``false`` as booleans or text, any case);
+    ``disk`` is rejected for now."""
+    text = _bool_text(value)
+    if text is not None:
+        value = text
     if isinstance(value, bool):
         return Placement.cpu if value else Placement.none
     if value is None:
@@ -360,10 +394,20 @@ def parse_placement(value: Any, name: str) -> Placement:
         if placement is Placement.disk:
             raise ConfigError(
                 f"{name}: 'disk' is rejected for now: disk offload is disabled pending a fix. "
-                f"Use {name}: cpu to keep these tensors in host memory instead."
+                f"{_set_to(name, 'cpu')} to keep these tensors in host memory instead."
             )
         return placement
-    raise _expected(name, "none, cpu (or true/false)", value, f"Set {name}: cpu or {name}: none.")
+    raise _expected(name, "none, cpu, true or false", value, f"{_set_to(name, 'cpu', 'none')}.")
+
+
+def _set_to(name: str, *values: str) -> str:
+    """How to set a field to one of ``values``, in the user's terms: ``Pass hidden_states='cpu' or
+    hidden_states='none'`` for an argument written ``ActivationOffload(hidden_states=...)``, ``Set <key>: cpu or
+    <key>: none`` for a block key."""
+    argument = re.fullmatch(r"\w+\((\w+)=\.\.\.\)", name)
+    if argument:
+        return "Pass " + " or ".join(f"{argument.group(1)}={value!r}" for value in values)
+    return "Set " + " or ".join(f"{name}: {value}" for value in values)
 
 
 def _parse_str_list(value: Any, name: str) -> List[str]:
@@ -415,7 +459,7 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected a mapping of torch.utils.checkpoint arguments, got {value!r}.")
     kwargs = dict(value)
-    for key, arg in kwargs.items():
+    for key, arg in list(kwargs.items()):
         if key in _SET_BY_US:
             raise ConfigError(
                 f"{where}.{key}: lightning_ac sets {key} itself, so it cannot be passed. Remove it from kwargs."
@@ -445,7 +489,9 @@ def _parse_kwargs(value: Any) -> Dict[str, Any]:
                 f"argument. Accepted keys: {', '.join(sorted(CHECKPOINT_KWARGS | {'every_n_layers'}))}."
             )
         types = _KWARG_TYPES.get(key)
-        if types and not isinstance(arg, types):
+        if types == (bool,):
+            kwargs[key] = parse_bool(arg, f"{where}.{key}")
+        elif types and not isinstance(arg, types):
             raise _expected(f"{where}.{key}", types[0].__name__, arg)
     if "determinism_check" in kwargs and kwargs["determinism_check"] not in ("default", "none"):
         raise _expected(f"{where}.determinism_check", "'default' or 'none'", kwargs["determinism_check"])

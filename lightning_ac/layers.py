@@ -2,12 +2,15 @@
 
 Hugging Face models (plain or wrapped by PEFT) are found automatically: their decoder layers are the
 ``GradientCheckpointingLayer`` instances inside the outermost ``PreTrainedModel``\\ s. Plain torch models name
-their layers through ``layers=``: layer classes, or globs over module names.
+their layers through ``layers=``: layer classes, or globs over module names. A string that imports as
+``package.module.Class`` to an ``nn.Module`` subclass names that class (a YAML config cannot hold a class); any other
+string is a glob.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Type, Union
 
@@ -19,10 +22,28 @@ __all__ = [
     "compiled_layers",
     "describe_compiled",
     "find_decoder_layers",
+    "layer_class",
     "transformers_models",
 ]
 
 LayerSpec = Union[str, Type[nn.Module]]
+GLOB_CHARACTERS = "*?["
+
+
+def layer_class(spec: str) -> Optional[Type[nn.Module]]:
+    """The ``nn.Module`` subclass a ``layers=`` string names as a dotted class path
+    (``"transformers.models.llama.modeling_llama.LlamaDecoderLayer"``), or ``None`` when it is a glob over module
+    names: it has a glob character, is not a dotted path of identifiers, its module does not import, or what it names
+    is not an ``nn.Module`` subclass (``"model.layers"`` in a model stays a module name)."""
+    parts = spec.split(".")
+    if any(c in spec for c in GLOB_CHARACTERS) or len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        return None
+    try:
+        module = importlib.import_module(".".join(parts[:-1]))
+    except ImportError:
+        return None
+    found = getattr(module, parts[-1], None)
+    return found if isinstance(found, type) and issubclass(found, nn.Module) else None
 
 
 @dataclass

@@ -227,17 +227,24 @@ class Plan:
         self.config = dataclasses.replace(self.config, reentrant=True)
 
     def _no_layers_error(self, module: nn.Module) -> ConfigError:
-        name = "ActivationCheckpointing" if self.checkpointing_request is not None else "LayerOffload"
         where = type(module).__name__
+        requests = (
+            ("ActivationCheckpointing", self.checkpointing_request),
+            ("LayerOffload", self.layer_offload_request),
+        )
         if self.layer_spec is not None:
+            # the callbacks the user gave layers= to (both only with the same value: decoder_layer_spec)
+            givers = [name for name, request in requests if request is not None and request.layers is not None]
             shown = [s.__name__ if isinstance(s, type) else repr(s) for s in self.layer_spec]
+            given = " and ".join(f"{name}(layers=[{', '.join(shown)}])" for name in givers)
             names = [n for n, _ in module.named_modules() if n and n.count(".") <= 2][:8]
             return ConfigError(
-                f"{name}(layers=[{', '.join(shown)}]) matched no module in {where}. A class matches its instances, "
-                "a string is a glob over qualified module names; the module names here start with: "
-                f"{', '.join(names) or '(no submodules)'}. Fix layers=..., e.g. layers=['<the layers container>.*'] "
-                "(print(model) shows the names)."
+                f"{given} matched no module in {where}. A class matches its instances; a string that imports as "
+                "package.module.Class to an nn.Module subclass names that class; any other string is a glob over "
+                f"qualified module names, and the module names here start with: {', '.join(names) or '(no submodules)'}"
+                ". Fix layers=..., e.g. layers=['<the layers container>.*'] (print(model) shows the names)."
             )
+        name = " and ".join(name for name, request in requests if request is not None)
         models = transformers_models(module)
         if models:
             return ConfigError(
@@ -282,7 +289,8 @@ class Plan:
         if self.device is not None and self.device.type == "cpu" and not request.copy_on_host:
             rank_zero_info(
                 "activation offloading does nothing on a CPU-only trainer (the activations already live in host "
-                "memory); ActivationOffload(copy_on_host=True) forces the copies, for tests and debugging"
+                "memory); to force the copies, for tests and debugging, pass ActivationOffload(copy_on_host=True) "
+                "(Hydra: offload_copy_on_host=true)"
             )
             return False
         return True

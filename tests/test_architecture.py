@@ -14,7 +14,7 @@ import pytest
 from conftest import clone, fit, tiny_model
 
 import lightning_ac.config
-from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, callbacks_from_config
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, callbacks_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_ac"
@@ -179,9 +179,19 @@ def test_requests_use_the_block_error_shape():
         ConfigError, match=r"ActivationOffload\(copy_on_host=\.\.\.\): expected true or false, got 'yes'"
     ):
         ActivationOffload(copy_on_host="yes")
-    # "false" as text would be true as a truth value: the message says it is text
-    with pytest.raises(ConfigError, match=r"got 'false'\. It is text, not a boolean: .* \(in Python True or False\)"):
-        ActivationCheckpointing(verbose="false")
+    # "no" as text would be true as a truth value: the message says it is text
+    with pytest.raises(ConfigError, match=r"got 'no'\. It is text, not a boolean: .* \(in Python True or False\)"):
+        ActivationCheckpointing(verbose="no")
+    # true/false as text, as a command line or YAML writes them, are the booleans they spell
+    assert ActivationCheckpointing(verbose="False").verbose is False and LayerOffload(copy_on_host="TRUE").copy_on_host
+    offload = ActivationOffload(hidden_states="true", all="FALSE")
+    assert offload.offload.hidden_states == "cpu" and offload.offload.all == "none"
+    with pytest.raises(ConfigError) as info:
+        ActivationOffload(hidden_states="gpu")
+    assert str(info.value) == (
+        "ActivationOffload(hidden_states=...): expected none, cpu, true or false, got 'gpu'. "
+        "Pass hidden_states='cpu' or hidden_states='none'."
+    )
     with pytest.raises(ConfigError, match=r"ActivationOffload: hidden_states: cpu cannot be combined with all"):
         ActivationOffload(hidden_states="cpu", all="cpu")
     with pytest.raises(ConfigError, match=r"activation_checkpointing.offload: hidden_states: cpu cannot be combined"):

@@ -16,6 +16,7 @@ from lightning_ac import (
     ActivationCheckpointing,
     ActivationOffload,
     ConfigError,
+    LayerOffload,
     LightningACWarning,
     callbacks_from_config,
 )
@@ -498,6 +499,45 @@ def test_layers_that_match_nothing_are_echoed_with_the_module_names():
         ConfigError, match=r"ActivationCheckpointing\(layers=\['blocks\.\*'\]\) matched no module.*: model"
     ):
         make_trainer([ActivationCheckpointing(layers=["blocks.*"])]).fit(module, batches())
+
+
+def test_layers_given_to_layer_offload_are_named_as_its_own_argument():
+    module = LM(nn.Sequential(nn.Linear(2, 2)))
+    callbacks = [ActivationCheckpointing(), LayerOffload(layers=["blocks.*"], copy_on_host=True)]
+    with pytest.raises(ConfigError) as info:
+        make_trainer(callbacks).fit(module, batches())
+    message = str(info.value)
+    assert message.startswith("LayerOffload(layers=['blocks.*']) matched no module in LM"), message
+    assert "ActivationCheckpointing(layers" not in message, "an argument the user never gave"
+
+
+LLAMA_LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([LLAMA_LAYER], "class"),
+        (["model.model.layers.*"], "glob"),  # a glob character: a glob
+        (["model.layers"], "glob"),  # a module name: no module named "model" to import
+        ([LLAMA_LAYER + "s"], "glob"),  # not in that module: a glob, which the no-match error explains
+        (["torch.nn.functional.relu"], "glob"),  # imports, but not an nn.Module subclass
+        (["torch.nn"], "glob"),  # a module, not a class
+        (["model.layers.0"], "glob"),  # not a path of identifiers
+    ],
+)
+def test_a_dotted_class_path_in_layers_names_the_class(given, expected):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    layers = ActivationCheckpointing(layers=given).layers
+    assert layers == ([LlamaDecoderLayer] if expected == "class" else given)
+    assert LayerOffload(layers=given).layers == layers
+
+
+def test_layers_as_a_class_path_checkpoint_the_layers_of_that_class(llama):
+    module = LM(clone(llama))
+    make_trainer([ActivationCheckpointing(layers=[LLAMA_LAYER])]).fit(module, batches())
+    assert module.backward_ops[MM] == 82, "the 4 decoder layers recomputed"
 
 
 def test_a_transformers_model_without_checkpointable_layers_is_named():

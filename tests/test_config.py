@@ -66,6 +66,19 @@ DEFAULT_SELECTIVE = SelectiveConfig(save=["attention"])
             ActivationCheckpointingConfig(offload=OffloadConfig(hidden_states="cpu")),
         ),
         ({"offload": {}}, ActivationCheckpointingConfig()),
+        # true/false as text, any case (a command line or quoted YAML): the boolean they spell
+        ({"enabled": "False"}, ActivationCheckpointingConfig(enabled=False)),
+        ({"reentrant": "TRUE"}, ActivationCheckpointingConfig(reentrant=True)),
+        ({"offload": {"all": "true"}}, ActivationCheckpointingConfig(offload=OffloadConfig(all=Placement.cpu))),
+        ({"offload": {"all": "False"}}, ActivationCheckpointingConfig()),
+        (
+            {"kwargs": {"preserve_rng_state": "false", "debug": "True"}},
+            ActivationCheckpointingConfig(kwargs={"preserve_rng_state": False, "debug": True}),
+        ),
+        (
+            {"selective": {"save_sliding_window": "true"}},
+            ActivationCheckpointingConfig(selective=SelectiveConfig(save_sliding_window=True)),
+        ),
         (
             {"enabled": False, "offload": {"all": "cpu"}},
             ActivationCheckpointingConfig(enabled=False, offload=OffloadConfig(all="cpu")),
@@ -123,7 +136,7 @@ def test_structured_schema_rejects_unknown_fields():
         ("yes", ["activation_checkpointing", "'yes'", "true"]),
         (1, ["activation_checkpointing", "1"]),
         ({"typo": 1}, ["unknown field", "'typo'", "Valid fields"]),
-        ({"enabled": "true"}, ["activation_checkpointing.enabled", "'true'"]),
+        ({"enabled": "on"}, ["activation_checkpointing.enabled", "'on'", "It is text"]),
         ({"implementation": "deepspeed"}, ["implementation", "'deepspeed'", "hf", "fsdp"]),
         ({"reentrant": "no"}, ["activation_checkpointing.reentrant", "'no'"]),
         ({"kwargs": {"context_fn": None}}, ["kwargs.context_fn", "sets context_fn itself", "Remove"]),
@@ -146,7 +159,7 @@ def test_structured_schema_rejects_unknown_fields():
         ({"offload": "cpu"}, ["offload is a mapping", "'cpu'", "{all: cpu}"]),
         ({"offload": True}, ["offload is a mapping", "True"]),
         ({"offload": {"everything": "cpu"}}, ["offload", "'everything'", "hidden_states, selective, all"]),
-        ({"offload": {"all": "gpu"}}, ["offload.all", "'gpu'", "cpu"]),
+        ({"offload": {"all": "gpu"}}, ["offload.all: expected none, cpu, true or false, got 'gpu'", "all: cpu or"]),
         ({"offload": {"all": "disk"}}, ["offload.all", "disk", "pending a fix", "all: cpu"]),
         ({"offload": {"hidden_states": "disk"}}, ["offload.hidden_states", "pending a fix"]),
         ({"enabled": False, "selective": True}, ["enabled is false", "selective", "enabled: true"]),

@@ -123,9 +123,42 @@ def test_a_bad_value_stops_with_the_config_error_before_training(
 ):
     config = with_init_args(tmp_path, example, callback, **init_args)
     status, output, _ = run_in_process(cli_main, ["fit", "--config", str(config), *SMALL], capsys, caplog)
-    assert status != 0, output
-    assert message in output, output
+    assert status == 2, output  # a bad value, as jsonargparse's own parse errors
+    assert f"error: {message}" in output or ("error: " in output and message in output), output
+    assert "Does not validate against any of the Union subtypes" not in output, "our message, not jsonargparse's"
     assert "Trainer.fit" not in output and "lightning_ac: checkpointing" not in output, "no training started"
+
+
+def test_a_rejected_value_prints_the_config_error_and_exits_2_without_a_traceback(tmp_path):
+    config = with_init_args(tmp_path, "budget", 1, hidden_states="gpu")
+    result = subprocess.run(
+        [sys.executable, "examples/cli.py", "fit", "--config", str(config), *SMALL],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: ActivationOffload(hidden_states=...): expected none, cpu, true or false, got 'gpu'. "
+        "Pass hidden_states='cpu' or hidden_states='none'."
+    ], result.stderr
+    # where that argument is in the user's config, right below it
+    assert "init_args.hidden_states of the trainer.callbacks entry with class_path: lightning_ac.ActivationOffload" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr and "Union subtypes" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flag, placement", [("true", "cpu"), ("False", "none"), ("TRUE", "cpu")])
+def test_a_boolean_offload_target_on_the_command_line(cli_main, capsys, caplog, flag, placement):
+    # jsonargparse keeps --x=true as the text 'true' where the type hint also takes strings (Union[str, bool])
+    args = ["fit", "--config", str(EXAMPLES / "budget.yaml"), f"--trainer.callbacks.hidden_states={flag}", *SMALL]
+    status, output, cli = run_in_process(cli_main, args, capsys, caplog)
+    assert status == 0, output
+    offload = next(c for c in cli.trainer.callbacks if type(c).__name__ == "ActivationOffload")
+    assert offload.offload.hidden_states == placement
 
 
 @pytest.mark.parametrize(
@@ -146,3 +179,16 @@ def test_a_value_of_the_wrong_type_is_refused_at_parse_time(
     assert status == 2, output
     assert key in output and repr(list(init_args.values())[0]).strip("'") in output, output
     assert "Trainer.fit" not in output
+
+
+def test_a_layer_class_path_in_layers_names_the_class(cli_main, capsys, caplog, tmp_path):
+    # YAML holds no classes: the class path the README's rule reads as a class, not as a module-name glob
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    path = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    config = with_init_args(tmp_path, "layer_offload", 1, layers=[path])
+    status, output, cli = run_in_process(cli_main, ["fit", "--config", str(config), *SMALL], capsys, caplog)
+    assert status == 0, output
+    offload = next(c for c in cli.trainer.callbacks if type(c).__name__ == "LayerOffload")
+    assert offload.layers == [LlamaDecoderLayer]
+    assert offload.last_step["loads"] > 0, "the layers of that class were streamed"

@@ -200,7 +200,10 @@ def test_cpu_trainer_without_copy_on_host_does_nothing(llama_reference, caplog):
     run = fit(clone(base), [ActivationCheckpointing(), callback])
     assert_same_training(reference, run)
     assert callback.last_step["hidden_states"] == {"tensors": 0, "bytes": 0}
-    assert sum("does nothing on a CPU-only trainer" in r.getMessage() for r in caplog.records) == 1
+    notices = [r.getMessage() for r in caplog.records if "does nothing on a CPU-only trainer" in r.getMessage()]
+    assert len(notices) == 1
+    # the fix in the terms of both routes: the Python argument, and the Hydra job's key
+    assert "ActivationOffload(copy_on_host=True) (Hydra: offload_copy_on_host=true)" in notices[0], notices[0]
 
 
 @pytest.mark.parametrize(

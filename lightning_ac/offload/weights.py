@@ -191,12 +191,14 @@ class LayerWeightStreamer:
     def describe(self, noun: str = "decoder layers") -> str:
         """What moves, as the log line says it (``noun``: what the layers are)."""
         with_params = [layer for layer in self.layers if layer.params]
-        where = "copies on host" if self.device.type == "cpu" else str(self.device)
+        # copy_on_host on a CPU trainer: the copies go to separate host buffers, standing in for the device
+        where = "separate host buffers" if self.device.type == "cpu" else str(self.device)
         resident = sum(self.resident)
         kept = f"; {resident} resident on the device" if resident else ""
         return (
             f"layer offloading: frozen parameters of {len(with_params)}/{len(self.layers)} {noun} "
-            f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and visit {where} one layer at a time{kept}"
+            f"({self.streamed_bytes / 2**20:.1f} MiB) live in host memory and are copied to {where} one layer at a "
+            f"time{kept}"
         )
 
     def describe_layer(self, index: int) -> Optional[str]:
