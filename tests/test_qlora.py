@@ -127,3 +127,64 @@ def test_the_4bit_backward_keeps_nothing_alive(qlora, checkpointing):
     fit(clone(qlora), [*([ActivationCheckpointing()] if checkpointing else []), callback, spy], max_steps=3)
     assert spy.nodes_at_start == [0, 0, 0]
     assert spy.alive_in_backward and max(spy.alive_in_backward) <= 2 * spy.slots_per_layer, spy.alive_in_backward
+
+
+def pretrained_qlora_model(tmp_dir: str, double_quant: bool = False) -> torch.nn.Module:
+    """A QLoRA base as a user loads it: ``from_pretrained`` with a 4-bit config and LoRA on q/v, no ``.train()``
+    after it, so the base stays in the eval mode ``from_pretrained`` leaves it in (Lightning keeps a module's
+    mode). At its first call without gradient, bitsandbytes repacks such a ``Linear4bit``'s weight for its CPU
+    kernel (where the CPU has AVX512-bf16): the first decoder layer's q/k/v, whose input needs none."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_dir)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_dir, device_map="cpu", quantization_config=quantization)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def repacked(run) -> list:
+    """Which 4-bit linears of the first decoder layer bitsandbytes repacked for its CPU kernel."""
+    from bitsandbytes.nn import Linear4bit
+
+    layer = run.model.base_model.model.model.layers[0]
+    return [
+        name
+        for name, module in layer.named_modules()
+        if isinstance(module, Linear4bit) and getattr(module.weight.quant_state, "packing_format_for_cpu", False)
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*eval mode at the start of training")
+@pytest.mark.parametrize(
+    "double_quant, checkpointing",
+    # double quantization: the repack drops the nested state's slots while the norms' saved views name theirs
+    [(False, False), (True, False), (True, True)],
+    ids=["nf4", "double_quant", "double_quant_full"],
+)
+def test_a_base_in_eval_mode_streams_its_repacked_weights_exactly(tmp_path, double_quant, checkpointing, transfer):
+    """bitsandbytes repacks an eval-mode 4-bit weight at its first call without gradient (the layout and bf16
+    absmax of its AVX512-bf16 kernel, the nested state folded in): the streamed layer computes with the repacked
+    weight too, and streams it from then on."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    base = pretrained_qlora_model(str(tmp_path), double_quant=double_quant)
+    others = [ActivationCheckpointing()] if checkpointing else []
+    reference = fit(clone(base), others, max_steps=2)
+    others = [ActivationCheckpointing()] if checkpointing else []
+    callback = LayerOffload(copy_on_host=True)
+    run = fit(clone(base), [*others, callback], max_steps=2)
+    assert_same_training(reference, run)
+    expected = ["self_attn.q_proj.base_layer", "self_attn.k_proj", "self_attn.v_proj.base_layer"]
+    assert repacked(reference) == (expected if has_avx512bf16() else [])
+    assert repacked(run) == repacked(reference)
+    # the repacked layout is what streams now: host copies and the bytes of the second step
+    assert callback.last_step["bytes"] == 2 * callback.host_bytes
