@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from conftest import assert_same_training, clone, fit, tiny_qlora_model
+from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, tiny_config, tiny_qlora_model
 from test_layer_offload import LAYERS, DeviceCopySpy
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
@@ -137,8 +137,6 @@ def pretrained_qlora_model(tmp_dir: str, double_quant: bool = False) -> torch.nn
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from conftest import tiny_config
-
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_dir)
     quantization = BitsAndBytesConfig(
@@ -188,3 +186,32 @@ def test_a_base_in_eval_mode_streams_its_repacked_weights_exactly(tmp_path, doub
     assert repacked(run) == repacked(reference)
     # the repacked layout is what streams now: host copies and the bytes of the second step
     assert callback.last_step["bytes"] == 2 * callback.host_bytes
+
+
+class ValidatedLM(LM):
+    """Also validates, so the sanity check calls the base in eval mode without gradient before training."""
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch[0]
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+# bitsandbytes' own: its repacked kernel (gemv_4bit) has no autograd formula, and training after the repack
+# backprops through it, with or without LayerOffload
+@pytest.mark.filterwarnings("ignore:.*gemv_4bit. an autograd kernel was not registered")
+def test_the_sanity_check_repacks_and_training_streams_that_exactly(qlora, transfer):
+    """A base in train mode is repacked by the sanity check (every 4-bit linear, on a CPU with AVX512-bf16):
+    training then computes with the repacked weights, streamed or not."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    def run(callbacks):
+        module = ValidatedLM(clone(qlora))
+        trainer = make_trainer(callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=1)
+        trainer.fit(module, batches(), batches(1))
+        return module
+
+    reference = run([])
+    streamed = run([LayerOffload(copy_on_host=True)])
+    assert_same_training(reference, streamed)
+    assert bool(repacked(reference)) == has_avx512bf16()
+    assert repacked(streamed) == repacked(reference)
