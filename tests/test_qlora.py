@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from conftest import assert_same_training, clone, fit, tiny_qlora_model
+from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, tiny_config, tiny_qlora_model
 from test_layer_offload import LAYERS, DeviceCopySpy
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
@@ -127,3 +127,91 @@ def test_the_4bit_backward_keeps_nothing_alive(qlora, checkpointing):
     fit(clone(qlora), [*([ActivationCheckpointing()] if checkpointing else []), callback, spy], max_steps=3)
     assert spy.nodes_at_start == [0, 0, 0]
     assert spy.alive_in_backward and max(spy.alive_in_backward) <= 2 * spy.slots_per_layer, spy.alive_in_backward
+
+
+def pretrained_qlora_model(tmp_dir: str, double_quant: bool = False) -> torch.nn.Module:
+    """A QLoRA base as a user loads it: ``from_pretrained`` with a 4-bit config and LoRA on q/v, no ``.train()``
+    after it, so the base stays in the eval mode ``from_pretrained`` leaves it in (Lightning keeps a module's
+    mode). At its first call without gradient, bitsandbytes repacks such a ``Linear4bit``'s weight for its CPU
+    kernel (where the CPU has AVX512-bf16): the first decoder layer's q/k/v, whose input needs none."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_dir)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_dir, device_map="cpu", quantization_config=quantization)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def repacked(run) -> list:
+    """Which 4-bit linears of the first decoder layer bitsandbytes repacked for its CPU kernel."""
+    from bitsandbytes.nn import Linear4bit
+
+    layer = run.model.base_model.model.model.layers[0]
+    return [
+        name
+        for name, module in layer.named_modules()
+        if isinstance(module, Linear4bit) and getattr(module.weight.quant_state, "packing_format_for_cpu", False)
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*eval mode at the start of training")
+@pytest.mark.parametrize(
+    "double_quant, checkpointing",
+    # double quantization: the repack drops the nested state's slots while the norms' saved views name theirs
+    [(False, False), (True, False), (True, True)],
+    ids=["nf4", "double_quant", "double_quant_full"],
+)
+def test_a_base_in_eval_mode_streams_its_repacked_weights_exactly(tmp_path, double_quant, checkpointing, transfer):
+    """bitsandbytes repacks an eval-mode 4-bit weight at its first call without gradient (the layout and bf16
+    absmax of its AVX512-bf16 kernel, the nested state folded in): the streamed layer computes with the repacked
+    weight too, and streams it from then on."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    base = pretrained_qlora_model(str(tmp_path), double_quant=double_quant)
+    others = [ActivationCheckpointing()] if checkpointing else []
+    reference = fit(clone(base), others, max_steps=2)
+    others = [ActivationCheckpointing()] if checkpointing else []
+    callback = LayerOffload(copy_on_host=True)
+    run = fit(clone(base), [*others, callback], max_steps=2)
+    assert_same_training(reference, run)
+    expected = ["self_attn.q_proj.base_layer", "self_attn.k_proj", "self_attn.v_proj.base_layer"]
+    assert repacked(reference) == (expected if has_avx512bf16() else [])
+    assert repacked(run) == repacked(reference)
+    # the repacked layout is what streams now: host copies and the bytes of the second step
+    assert callback.last_step["bytes"] == 2 * callback.host_bytes
+
+
+class ValidatedLM(LM):
+    """Also validates, so the sanity check calls the base in eval mode without gradient before training."""
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch[0]
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+# bitsandbytes' own: its repacked kernel (gemv_4bit) has no autograd formula, and training after the repack
+# backprops through it, with or without LayerOffload
+@pytest.mark.filterwarnings("ignore:.*gemv_4bit. an autograd kernel was not registered")
+def test_the_sanity_check_repacks_and_training_streams_that_exactly(qlora, transfer):
+    """A base in train mode is repacked by the sanity check (every 4-bit linear, on a CPU with AVX512-bf16):
+    training then computes with the repacked weights, streamed or not."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    def run(callbacks):
+        module = ValidatedLM(clone(qlora))
+        trainer = make_trainer(callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=1)
+        trainer.fit(module, batches(), batches(1))
+        return module
+
+    reference = run([])
+    streamed = run([LayerOffload(copy_on_host=True)])
+    assert_same_training(reference, streamed)
+    assert bool(repacked(reference)) == has_avx512bf16()
+    assert repacked(streamed) == repacked(reference)

@@ -119,13 +119,20 @@ class _Layer:
     event: Any = None  # accelerator event: the host -> device copy has finished
     nbytes: int = 0
 
+    def copy_of(self, slot: _Slot) -> Optional[torch.Tensor]:
+        """The device copy of ``slot`` while the layer is loaded (found by identity: a call that replaced some of
+        the layer's tensors can change which slots the layer has), else ``None``."""
+        if self.device is None:
+            return None
+        return next((t for s, t in zip(self.slots, self.device) if s is slot), None)
+
 
 @dataclass(eq=False)
 class _ParamView:
     """What the saved-tensor hook keeps instead of a view of a loaded parameter."""
 
     layer: _Layer
-    slot: int
+    slot: _Slot
     offset: int
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
@@ -176,11 +183,10 @@ class LayerWeightStreamer:
         self._offloaded = False
         self._handles: List[Any] = []
         self._hook_contexts: List[Any] = []
-        self._by_storage: Dict[int, Tuple[_Layer, int]] = {}  # device copy's storage -> (layer, slot)
+        self._by_storage: Dict[int, Tuple[_Layer, _Slot]] = {}  # device copy's storage -> (layer, slot)
         self._release_events: Deque[Any] = collections.deque()
         self._registered: List[torch.Tensor] = []  # host buffers pinned with cudaHostRegister
         self._guarded: List[nn.Module] = []  # submodules whose _apply skips streamed parameters
-        self._repack_disabled: List[nn.Module] = []  # 4-bit linears whose CPU repacking is off for the run
         self._backward_task: Optional[int] = None  # the graph task whose final callback is queued
 
     @property
@@ -259,12 +265,9 @@ class LayerWeightStreamer:
             weight = sub._parameters.get("weight")
             if weight is None or id(weight) not in streamed or not _is_params4bit(weight):
                 continue
+            # On a CPU with AVX512-bf16, bitsandbytes repacks the weight for its CPU kernel at its first call in
+            # eval mode without gradient, replacing the data this streamer swaps: the release adopts it.
             self._handles.append(sub.register_forward_hook(self._drop_kept_weights))
-            if getattr(sub, "support_avx512bf16_for_cpu", False):
-                # On a CPU, bitsandbytes repacks the weight for AVX512-bf16 kernels at its first eval call,
-                # replacing the data this streamer swaps: keep the layout that streams.
-                sub.support_avx512bf16_for_cpu = False
-                self._repack_disabled.append(sub)
 
     def _drop_kept_weights(self, module: nn.Module, args: Any, output: Any) -> None:
         for node in _nodes_near(_tensors(output), depth=3):
@@ -335,9 +338,6 @@ class LayerWeightStreamer:
         for sub in self._guarded:
             sub.__dict__.pop("_apply", None)
         self._guarded = []
-        for sub in self._repack_disabled:
-            sub.support_avx512bf16_for_cpu = True
-        self._repack_disabled = []
 
     def close(self, to: Optional[torch.device] = None) -> None:
         """Remove the hooks and give every parameter its own memory on ``to`` again (default: the training
@@ -499,7 +499,7 @@ class LayerWeightStreamer:
             layer.device = [h.to(self.device) for h in layer.host]
         else:
             layer.device = [h.clone() for h in layer.host]
-        for slot, t in enumerate(layer.device):
+        for slot, t in zip(layer.slots, layer.device):
             self._by_storage[t.untyped_storage().data_ptr()] = (layer, slot)
         self.stats["loads"] += 1
         self.stats["bytes"] += layer.nbytes
@@ -527,12 +527,37 @@ class LayerWeightStreamer:
             return
         for key in [t.untyped_storage().data_ptr() for t in layer.device]:  # no loop variable keeps one alive
             self._by_storage.pop(key, None)
-        for slot, host in zip(layer.slots, layer.host):
-            slot.set(host)
+        if all(_holds(slot.get(), t) for slot, t in zip(layer.slots, layer.device)):
+            for slot, host in zip(layer.slots, layer.host):
+                slot.set(host)
+        else:
+            self._adopt_replaced(layer)
         layer.device = None
         layer.event = None
         if self._streams is not None:
             self._release_events.append(self._streams.current().record_event())
+
+    def _adopt_replaced(self, layer: _Layer) -> None:
+        """The layer's call replaced some of its tensors: what it holds now is what it computes with from then on,
+        as it would without offloading, so it becomes the layer's new host copy.
+
+        bitsandbytes does this on a CPU with AVX512-bf16: at a 4-bit linear's first call in eval mode without
+        gradient it repacks the weight (another layout, ``absmax`` transposed to bf16, a nested state folded into
+        it and dropped) and flags the quant state, and from then on computes with its AVX512-bf16 kernel. Putting
+        the old host copies back would hand that kernel the old layout; keeping the layout from before the repack
+        (turning the repack off) computes with other kernels than the same model without offloading.
+        """
+        known = {(id(s.owner), s.attr): s for s in layer.slots}
+        # The same slot objects where the tensor still exists: saved-tensor views name the slot they came from.
+        slots = [known.get((id(s.owner), s.attr), s) for p in layer.params for s in _slots(p)]
+        for slot, host in zip(layer.slots, layer.host):
+            if all(slot is not s for s in slots):
+                # No longer part of the state (a folded nested state's): its own small copy of its last value,
+                # not a device copy, nor a slice keeping the old host buffer alive.
+                slot.set(self._own_copy(host, torch.device("cpu")))
+        layer.slots = slots
+        self._rehost(layer)  # copies what the slots hold now: device copies, and what the call put in their place
+        self._count_host_bytes()
 
     def _release_all(self) -> None:
         for layer in self.layers:
@@ -616,7 +641,7 @@ class LayerWeightStreamer:
                 found = self._by_storage.get(tensor.untyped_storage().data_ptr())
                 if found is not None:
                     layer, slot = found
-                    copy = layer.device[slot] if layer.device is not None else None
+                    copy = layer.copy_of(slot)
                     if copy is not None and tensor.dtype == copy.dtype:
                         size, stride = tuple(tensor.shape), tuple(tensor.stride())
                         return _ParamView(layer, slot, tensor.storage_offset(), size, stride)
@@ -632,8 +657,9 @@ class LayerWeightStreamer:
     def _rebuild(self, view: _ParamView) -> torch.Tensor:
         """The view of a parameter that backward asks for, from the layer's device copy."""
         self._use(view.layer)  # loaded by the backward hook; if not (an unusual graph), now
-        assert view.layer.device is not None
-        return torch.as_strided(view.layer.device[view.slot], view.size, view.stride, view.offset)
+        copy = view.layer.copy_of(view.slot)
+        assert copy is not None
+        return torch.as_strided(copy, view.size, view.stride, view.offset)
 
 
 class _ApplyGuard:
