@@ -64,9 +64,15 @@ def tiny_model(family: str = "llama", seed: int = 0, lora: bool = False, **overr
     return model
 
 
-def tiny_qlora_model(tmp_dir: str, double_quant: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A tiny Llama whose decoder linears are bitsandbytes ``Linear4bit`` (nf4), with LoRA on top: built from a
-    config, saved, and loaded back quantized, as users load a QLoRA base."""
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_qlora_model(
+    tmp_dir: str, double_quant: bool = False, seed: int = 0, targets=ALL_LINEARS, train: bool = True
+) -> torch.nn.Module:
+    """A tiny Llama whose decoder linears are bitsandbytes ``Linear4bit`` (nf4), with LoRA on ``targets``: built from
+    a config, saved, and loaded back quantized, as users load a QLoRA base; in train mode unless ``train=False``
+    (``from_pretrained`` leaves it in eval mode)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -79,8 +85,8 @@ def tiny_qlora_model(tmp_dir: str, double_quant: bool = False, seed: int = 0) ->
         bnb_4bit_use_double_quant=double_quant,
     )
     model = AutoModelForCausalLM.from_pretrained(tmp_dir, device_map="cpu", quantization_config=quantization)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)).train()
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)))
+    return model.train() if train else model
 
 
 class OpCounter(TorchDispatchMode):

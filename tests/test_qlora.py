@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, tiny_config, tiny_qlora_model
+from conftest import LM, assert_same_training, batches, clone, fit, make_trainer, tiny_qlora_model
 from test_layer_offload import LAYERS, DeviceCopySpy
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
@@ -134,19 +134,7 @@ def pretrained_qlora_model(tmp_dir: str, double_quant: bool = False) -> torch.nn
     after it, so the base stays in the eval mode ``from_pretrained`` leaves it in (Lightning keeps a module's
     mode). At its first call without gradient, bitsandbytes repacks such a ``Linear4bit``'s weight for its CPU
     kernel (where the CPU has AVX512-bf16): the first decoder layer's q/k/v, whose input needs none."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_dir)
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=torch.float32,
-        bnb_4bit_use_double_quant=double_quant,
-    )
-    model = AutoModelForCausalLM.from_pretrained(tmp_dir, device_map="cpu", quantization_config=quantization)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return tiny_qlora_model(tmp_dir, double_quant, targets=["q_proj", "v_proj"], train=False)
 
 
 def repacked(run) -> list:
