@@ -75,9 +75,20 @@ class Controller(pl.Callback):
         self.choices.append(list(self.budget.choices))
 
 
-def train(base, callbacks=(), steps: int = STEPS, data=None, measure_step: int = STEPS - 1, **kwargs):
+class MaskLM(StepLM):
+    """Batches of ``(ids,)`` or ``(ids, attention_mask)``: padded positions are masked and their labels ignored."""
+
+    def training_step(self, batch, batch_idx):
+        ids, mask = batch[0], batch[1] if len(batch) > 1 else None
+        labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def train(base, callbacks=(), steps: int = STEPS, data=None, measure_step: int = STEPS - 1, lm=StepLM, **kwargs):
     """A run of ``steps`` steps; the StepMetrics peak of ``measure_step`` (after the budget settled)."""
-    module = StepLM(clone(base))
+    module = lm(clone(base))
     metrics = StepMetrics(measure_step=measure_step, warmup_steps=0)
     probe = Controller()
     has_budget = any(isinstance(c, ActivationCheckpointing) and c.config.budget is not None for c in callbacks)
@@ -201,6 +212,7 @@ def test_a_budget_at_off_reported_peak_settles_on_recomputing_nothing(references
     assert_exact(references["off"], run)
     settled = next(i for i, choices in enumerate(probe.choices) if choices == [Choice.keep] * 4)
     assert settled <= 1 and probe.budget.settled
+    assert probe.budget.summary()["corrections"] == 0, "the first choice fit: nothing was corrected"
     for ops in run.step_ops[settled + 1 :]:
         assert ops[MM] == references["off"].step_ops[-1][MM] and ops.get(SDPA, 0) == 0
 
@@ -247,6 +259,79 @@ def test_a_longer_batch_is_planned_again_before_it_runs(references, caplog):
     assert peak <= budget, "the longer step's own peak"
     plain, _, _, _ = train(references["base"], data=data, measure_step=3)
     assert_exact(plain, run)
+
+
+def padded_loader(unpadded: int, padded: int, seq: int = 32) -> torch.utils.data.DataLoader:
+    """``unpadded`` batches of 2 full sequences, then ``padded`` batches as long whose second sequence ends in
+    padding (an attention mask with zeros): as many tokens a step, another shape of work."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, seq // 2 :] = 0
+    data = [(torch.randint(0, VOCAB, (2, seq), generator=g),) for _ in range(unpadded)]
+    data += [(torch.randint(0, VOCAB, (2, seq), generator=g), mask) for _ in range(padded)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def test_padded_batches_after_the_plan_settled_are_measured_and_kept_under_the_budget(references, caplog):
+    # The budget is the unpadded plan's own settled peak: the padded steps' attention mask (and the attention path
+    # it takes) adds activations the settled plan's figures never saw. They ran about 10% over it, silently: as many
+    # tokens, so no re-plan, and on the CPU a settled plan was never measured again.
+    base = references["base"]
+    _, settled_peak, _, _ = train(base, [ActivationCheckpointing(budget=between(references, 0.5))])
+    budget = settled_peak
+    data = padded_loader(unpadded=3, padded=5)
+    plain, plain_padded_peak, _, _ = train(base, data=data, steps=8, measure_step=7, lm=MaskLM)
+    caplog.clear()
+    run, peak, probe, _ = train(
+        base, [ActivationCheckpointing(budget=budget)], data=data, steps=8, measure_step=7, lm=MaskLM
+    )
+    assert any("another shape of work" in m for m in caplog.messages)
+    assert probe.budget.settled and peak <= budget, (peak, budget)
+    assert recomputed(probe.choices[-1]) > recomputed(probe.choices[2]), "more recompute for the padded batches"
+    assert_exact(plain, run)
+
+
+def test_a_longer_batch_gets_corrections_of_its_own_and_the_settled_plan_reports_its_own_peak(references, monkeypatch):
+    # With the corrections spent before, a re-plan for twice the tokens that needs correcting fell straight back to
+    # "the fastest plan measured under the budget", measured at the old token count: the run stayed over its budget.
+    # Planted: the layers measured at the longer batch look 10x cheaper to keep than they are.
+    from lightning_ac.budget import controller
+
+    monkeypatch.setattr(controller, "MAX_CORRECTIONS", 1)
+    figures, first_input = LayerReading.figures, []
+
+    def underestimated_when_longer(self, *args):
+        found = figures(self, *args)
+        first_input.append(first_input[0] if first_input else self.input_bytes)
+        if self.input_bytes <= first_input[0]:
+            return found
+        return type(found)(**{**found.__dict__, "saved_bytes": found.saved_bytes // 10})
+
+    data = loader(seqs=(32, 32, 32, 64, 64, 64, 64, 64))
+    plain, off_peak, _, _ = train(references["base"], data=data, steps=8, measure_step=7)
+    _, full_peak, _, _ = train(references["base"], [ActivationCheckpointing()], data=data, steps=8, measure_step=7)
+    budget = (off_peak + full_peak) // 2  # at 64 tokens a sequence
+    monkeypatch.setattr(LayerReading, "figures", underestimated_when_longer)
+    run, peak, probe, _ = train(
+        references["base"], [ActivationCheckpointing(budget=budget)], data=data, steps=8, measure_step=7
+    )
+    assert probe.budget.settled and peak <= budget, (peak, budget)
+    assert probe.budget.corrections == 1, "one correction at the longer batch, not a fallback on spent corrections"
+    # the settled plan reports its own peak: a step of it measured apart reads the same
+    assert probe.budget.measured_peak == peak
+    assert_exact(plain, run)
+
+
+def test_recompute_share_is_of_the_figures_held_now(references, caplog):
+    # With every layer recomputed the share of full's recompute is 100%, whatever the step it was measured in: it
+    # read 110%-157% after a re-plan for a longer batch (full's time was the first step's).
+    data = loader(seqs=(32, 32, 64, 64, 64))
+    with pytest.warns(LightningACWarning, match="over the budget"):
+        _, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=references["full_peak"] // 2)],
+                               data=data)  # fmt: skip
+    lines = [m for m in caplog.messages if re.search(r"budget [\d.]+ [KMG]iB: keeping 0/4", m)]
+    assert len(lines) >= 2 and probe.budget.tokens == 128, lines
+    assert all("recompute 100% of full's" in m for m in lines), lines
 
 
 def test_resume_starts_from_the_settled_plan(references, tmp_path, caplog):
@@ -432,6 +517,10 @@ def test_the_report_shows_each_layer_choice(references, caplog):
     train(references["base"], [ActivationCheckpointing(budget=between(references, 0.5), verbose=True), report])
     table = next(m for m in caplog.messages if "decoder layers\n" in m)
     assert "recompute (measuring)" in table, "the table at fit start: the measuring step"
+    # printed again once the plan settled, with the settled choices and their figures
+    settled = [m for m in caplog.messages if "decoder layers, as the budget settled\n" in m]
+    assert len(settled) == 1, caplog.messages
+    assert "measuring" not in settled[0] and len(re.findall(r"(keep|recompute): saves [\d.]+ [KMG]iB", settled[0])) == 4
     saves = [row.saves for row in report.rows]
     assert all(re.match(r"(keep|recompute): saves [\d.]+ [KMG]iB, recompute [\d.]+ ms", s) for s in saves), saves
     assert [row.recomputed for row in report.rows] == [not s.startswith("keep") for s in saves]

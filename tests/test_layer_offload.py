@@ -425,6 +425,38 @@ def test_a_backward_that_raises_leaves_nothing_loaded_for_the_next_step(transfer
         streamer.close()
 
 
+def test_close_after_a_forward_that_raised_waits_for_the_copies_in_flight(transfer):
+    # A forward that raises between layers leaves the next layer's copy in flight; closing gives the parameters
+    # their own memory again and unpins the host buffers that copy still reads: it must wait for it first.
+    from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
+
+    class Failing(Block):
+        def forward(self, x):
+            raise RuntimeError("out of memory")
+
+    torch.manual_seed(0)
+    blocks = [Block(), Block(), Failing(), Block()]
+    weights = [b.frozen.weight.detach().clone() for b in blocks]
+    streamer = LayerWeightStreamer(blocks, frozen_layer_parameters(blocks), torch.device("cpu"), copy_on_host=True)
+    streamer.install()
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            h = torch.randn(8, 16)
+            for block in blocks:
+                h = block(h)
+        if transfer is not None:
+            assert any(stream.pending_copies() for stream in transfer.streams), "a copy is in flight at the raise"
+        buffers = [layer.buffer for layer in streamer.layers]
+        streamer.start_step()  # as the callback does before the next step: the unused prefetch is let go
+        assert all(a is b for a, b in zip(buffers, [layer.buffer for layer in streamer.layers])), "not copied again"
+        if transfer is not None:
+            # still in flight: close() must wait for it
+            assert any(stream.pending_copies() for stream in transfer.streams)
+    finally:
+        streamer.close()
+    assert all(torch.equal(b.frozen.weight, w) for b, w in zip(blocks, weights))
+
+
 class Unfreeze(pl.Callback):
     """A fine-tuning schedule: layer 0's frozen weight starts training at the second step."""
 

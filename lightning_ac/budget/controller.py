@@ -207,7 +207,7 @@ class BudgetController:
             self._take_figures(readings)
             self._split_head(peak)
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
-            self._check(peak, first=True)
+            self._check(peak, first=True, measuring=True)
             return
         if readings is not None and self._rescaled_from is not None:
             self._check_scaling(readings)  # chooses again from the measured figures: the next step checks that
@@ -430,13 +430,14 @@ class BudgetController:
             )
         self._choose()
 
-    def _check(self, peak: int, first: bool = False) -> None:
+    def _check(self, peak: int, first: bool = False, measuring: bool = False) -> None:
         """A measured step under the current choices: calibrate on it, choose again, and settle once the choice
         stays the same and its peak is under the budget.
 
         A choice measured over the budget is never chosen again (else the loop could go back to it); the first step
         is not held against later ones, as it also allocates what only a first step does (gradients that did not
-        exist yet, an accelerator library's workspace)."""
+        exist yet, an accelerator library's workspace). After the ``measuring`` step (every layer recomputed to
+        measure them, not a choice) the plan's first choice is made: it is not a correction."""
         assert self.budget_bytes is not None and self.figures is not None
         budget, choices = self.budget_bytes, self.choices
         if self.settled and peak <= budget:
@@ -458,7 +459,8 @@ class BudgetController:
         if not over and list(plan.choices) == choices:
             self._settle()
             return
-        self.corrections += 1
+        if not measuring:
+            self.corrections += 1
         if self.corrections > MAX_CORRECTIONS:  # it did not converge: the fastest choice measured under the budget
             under = [c for c, p in self._measured.items() if p <= budget]
             best = min(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)

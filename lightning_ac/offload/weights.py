@@ -527,11 +527,15 @@ class LayerWeightStreamer:
             return
         for key in [t.untyped_storage().data_ptr() for t in layer.device]:  # no loop variable keeps one alive
             self._by_storage.pop(key, None)
-        if all(_holds(slot.get(), t) for slot, t in zip(layer.slots, layer.device)):
+        holding = [slot.get() for slot in layer.slots]
+        # A prefetch released unused (the forward raised before the layer ran) never became the parameters' data:
+        # they still hold their host copies. Anything else a slot holds was put there by the layer's call.
+        if all(_holds(c, t) or _holds(c, h) for c, t, h in zip(holding, layer.device, layer.host)):
             for slot, host in zip(layer.slots, layer.host):
                 slot.set(host)
         else:
             self._adopt_replaced(layer)
+        del holding
         layer.device = None
         layer.event = None
         if self._streams is not None:
