@@ -192,10 +192,8 @@ def test_budgets_between_full_and_off_recompute_fewer_layers_under_the_budget(re
 
 
 def test_a_budget_at_off_peak_recomputes_nothing_after_the_first_step(references):
-    """Off's peak here is its activation maximum, measured in its first step. In later steps MemTracker reports the
-    activations at the step's total-memory peak, which the previous step's gradients (alive until zero_grad, after
-    the forward) move to the end of the forward, under the output head's backward: that figure is a little lower than
-    what keeping every layer needs. 1% above it: the estimate may be a few hundred bytes over it."""
+    """A budget 1% above off's first step's peak (the estimate may be a few hundred bytes over the measured peak):
+    every layer is kept from the first choice on."""
     _, off_first_step, _, _ = train(references["base"], measure_step=0)
     assert off_first_step >= references["off_peak"]
     run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=int(off_first_step * 1.01))])
