@@ -111,7 +111,7 @@ def assert_exact(reference: StepLM, run: StepLM) -> None:
 def references():
     """The base model, the unmodified run, and the activation peaks of off and full."""
     base = tiny_model("llama")
-    off, off_peak, _, _ = train(base, steps=STEPS + 1)
+    off, off_peak, _, _ = train(base, steps=STEPS + 2)  # as long as the longest run compared with it
     full, full_peak, _, _ = train(base, [ActivationCheckpointing()])
     assert full_peak < off_peak
     return {"base": base, "off": off, "off_peak": off_peak, "full": full, "full_peak": full_peak}
@@ -448,7 +448,13 @@ def test_budget_composes_with_every_offload_target(references, transfer, target,
     selective = target == "selective"
     if selective:
         _slow_recompute(monkeypatch)
-    run, _, probe, _ = train(references["base"], [ActivationCheckpointing(budget=budget, selective=selective), offload])
+    # On the simulated device "host memory" is the same memory MemTracker counts, so the selective layers' offloaded
+    # saves measure over the budget and the loop may spend every correction: as many steps as the loop may take
+    from lightning_ac.budget.controller import MAX_CORRECTIONS
+
+    steps = max(STEPS, MAX_CORRECTIONS + 3)  # measuring, the first choice, the corrections, the fallback's step
+    plan = [ActivationCheckpointing(budget=budget, selective=selective), offload]
+    run, _, probe, _ = train(references["base"], plan, steps=steps, measure_step=steps - 1)
     assert_exact(references["off"], run)
     assert probe.budget.settled
     final = probe.choices[-1]
