@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any, Dict
@@ -38,6 +39,11 @@ def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
     the block came from. A legacy key such as ``gradient_checkpointing: true`` under the default ``off`` option
     is labelled by what it does (``full``), not by the option it replaced."""
     resolved = config_to_dict(block)
+    chunked = resolved.get("chunked_loss")
+    if chunked is not None:  # a setting of any mode: the mode's name, and the chunks
+        tokens = chunked["chunk_tokens"]
+        label = mode_label(dataclasses.replace(block, chunked_loss=None), choice, from_legacy_keys)
+        return f"{label} + chunked_loss" + ("" if tokens == AUTO else f" ({tokens} tokens)")
     options = option_blocks()
     budget = resolved.get("budget")
     if budget is not None and choice in options and {**options[choice], "budget": budget} == resolved:

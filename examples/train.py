@@ -86,6 +86,7 @@ class BlockSchema:
     selective: Any = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     budget: Any = None
+    chunked_loss: Any = None
 
 
 # Every activation_checkpointing option extends this schema, so any field can be overridden on any option.

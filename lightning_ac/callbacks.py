@@ -197,6 +197,11 @@ class ActivationCheckpointing(SuiteCallback):
             margin). The first step recomputes every layer and measures each; from then on the layers that fit keep
             their activations, the rest are recomputed, at the least recompute time (see :mod:`lightning_ac.budget`).
             Not with ``kwargs.every_n_layers``, which chooses the layers itself.
+        chunked_loss: Compute a transformers causal-LM model's training loss a chunk of tokens at a time, so that
+            the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
+            memory): ``True`` (1024 tokens a chunk) or ``{"chunk_tokens": N}``. In those forwards the output's
+            ``logits`` is ``None``. See :mod:`lightning_ac.loss`.
+        enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` is what the callback does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
             offloaded where (rich when installed, plain text otherwise).
         prog_bar: Show ``lightning_ac/peak_memory_bytes`` (logged each step on CUDA) in the progress bar.
@@ -219,6 +224,8 @@ class ActivationCheckpointing(SuiteCallback):
         selective: Union[bool, Mapping[str, Any], None] = None,
         layers: Optional[Sequence[LayerSpec]] = None,
         budget: Union[int, str, None] = None,
+        chunked_loss: Union[bool, Mapping[str, Any], None] = None,
+        enabled: bool = True,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
@@ -229,6 +236,8 @@ class ActivationCheckpointing(SuiteCallback):
             selective=selective,
             layers=layers,
             budget=budget,
+            chunked_loss=chunked_loss,
+            enabled=enabled,
         )
         self._init_output(verbose, prog_bar)
         self._budget_state: Optional[Dict[str, Any]] = None  # a checkpoint's settled plan, until this run takes it
@@ -631,7 +640,7 @@ def callbacks_from_config(
         fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
     )
     callbacks: List[Callback] = []
-    if cfg.enabled:
+    if cfg.enabled or cfg.chunked_loss is not None:  # without recompute, the chunked loss is all it does
         callbacks.append(ActivationCheckpointing._from_request(CheckpointingRequest.from_config(cfg), verbose))
     off = cfg.offload
     if off.targets:

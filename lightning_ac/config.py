@@ -46,6 +46,7 @@ __all__ = [
     "parse_layers",
     "parse_placement",
     "parse_budget",
+    "parse_chunked_loss",
     "parse_size",
     "CHECKPOINT_KWARGS",
     "OFFLOAD_TARGETS",
@@ -94,6 +95,25 @@ class SelectiveConfig:
     recompute_layer_types: List[str] = field(default_factory=lambda: list(DEFAULT_RECOMPUTE_LAYER_TYPES))
 
 
+# budget: auto and chunked_loss.chunk_tokens: auto
+AUTO = "auto"
+
+
+@dataclass
+class ChunkedLossConfig:
+    """The causal-LM loss computed a chunk of tokens at a time (:mod:`lightning_ac.loss`).
+
+    Attributes:
+        chunk_tokens: Tokens per chunk (``>= 1``), or ``"auto"``: per call, as many tokens as make a chunk's logits
+            no larger than the final hidden states (``tokens x hidden_size / vocab_size``, rounded up to a power of
+            two), so that the head's working set stays of the size of one layer's input. A chunk's working set is
+            about ``chunk_tokens x vocabulary`` float32 logits and their gradient; fewer tokens hold less and run
+            more, smaller matmuls, each reading the head's whole weight.
+    """
+
+    chunk_tokens: Any = AUTO
+
+
 @dataclass
 class OffloadConfig:
     """Where each offload target's tensors go: ``none`` (default) or ``cpu``; ``true``/``false`` mean cpu/none.
@@ -140,6 +160,8 @@ class ActivationCheckpointingConfig:
             :func:`parse_config`; text with a unit before), or ``"auto"`` (the device memory free at the first step,
             less a margin; accelerators only). The suite then chooses per decoder layer what to keep and what to
             recompute (:mod:`lightning_ac.budget`). ``None``: every layer the other fields name is recomputed.
+        chunked_loss: The causal-LM loss computed a chunk of tokens at a time, ``None`` when off. Applies with
+            ``enabled: false`` too.
     """
 
     enabled: bool = True
@@ -149,6 +171,7 @@ class ActivationCheckpointingConfig:
     selective: Any = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     budget: Any = None
+    chunked_loss: Optional[ChunkedLossConfig] = None
 
     @property
     def use_reentrant(self) -> bool:
@@ -188,6 +211,7 @@ _KWARG_TYPES: Dict[str, tuple] = {
 }
 _FIELDS = tuple(f.name for f in dataclasses.fields(ActivationCheckpointingConfig))
 _SELECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SelectiveConfig))
+_CHUNKED_LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkedLossConfig))
 # The offload targets, in the order messages, metrics and reports list them.
 OFFLOAD_TARGETS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
 # Set on configs that parse_config returned, so that passing one on (the Hydra job hands its parsed block to
@@ -329,9 +353,6 @@ def parse_size(value: Any, name: str) -> int:
     return size
 
 
-AUTO = "auto"
-
-
 def parse_budget(value: Any, name: str) -> Any:
     """The ``budget`` field: ``None`` (off), ``"auto"`` (any case) or a size (:func:`parse_size`, in bytes)."""
     if value is None:
@@ -418,17 +439,30 @@ def _parse_str_list(value: Any, name: str) -> List[str]:
     return list(value)
 
 
-def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
+def _switch_or_mapping(value: Any, name: str, on: Any, example: str) -> Any:
+    """A field that is off (``false``, ``None``), on with its defaults (``true``: ``on()``), or a mapping of its own
+    fields (returned for the caller to check). ``"true"``/``"false"`` text counts as the boolean."""
     value = _plain(value)
+    flag = _bool_text(value)
+    value = flag if flag is not None else value
     if value is None or value is False:
         return None
     if value is True:
-        return SelectiveConfig()
+        return on()
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"activation_checkpointing.selective: expected true, false or a mapping, got {value!r}. "
-            "Write selective: true to save attention, or selective: {save: [attention]}."
-        )
+        raise ConfigError(f"{name}: expected true, false or a mapping, got {value!r}. {example}")
+    return value
+
+
+def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
+    value = _switch_or_mapping(
+        value,
+        "activation_checkpointing.selective",
+        SelectiveConfig,
+        "Write selective: true to save attention, or selective: {save: [attention]}.",
+    )
+    if not isinstance(value, Mapping):
+        return value
     _reject_unknown(value, _SELECTIVE_FIELDS, "activation_checkpointing.selective")
     where = "activation_checkpointing.selective"
     defaults = SelectiveConfig()
@@ -449,6 +483,26 @@ def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
             value.get("recompute_layer_types", defaults.recompute_layer_types), f"{where}.recompute_layer_types"
         ),
     )
+
+
+def parse_chunked_loss(value: Any, name: str = "activation_checkpointing.chunked_loss") -> Optional[ChunkedLossConfig]:
+    """The ``chunked_loss`` field: ``false``/``None`` (off), ``true`` (``chunk_tokens: auto``) or a mapping
+    ``{chunk_tokens: N}``."""
+    example = "Write chunked_loss: true (chunk_tokens: auto), or chunked_loss: {chunk_tokens: 512}."
+    value = _switch_or_mapping(value, name, ChunkedLossConfig, example)
+    if not isinstance(value, Mapping):
+        return value
+    _reject_unknown(value, _CHUNKED_LOSS_FIELDS, name)
+    tokens = value.get("chunk_tokens", AUTO)
+    if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
+        return ChunkedLossConfig()
+    parse_count(
+        tokens,
+        f"{name}.chunk_tokens",
+        minimum=1,
+        fix="It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default).",
+    )
+    return ChunkedLossConfig(chunk_tokens=tokens)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:
@@ -543,8 +597,8 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
             ignored.append("budget")
         if ignored:
             raise ConfigError(
-                f"activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all "
-                f"applies, but {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set. "
+                f"activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all and "
+                f"chunked_loss apply, but {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set. "
                 "Set enabled: true to recompute decoder layers, or remove "
                 f"{', '.join(i.split(':')[0] for i in ignored)}."
             )
@@ -635,6 +689,7 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         selective=_parse_selective(value.get("selective")),
         offload=_parse_offload(value.get("offload")),
         budget=parse_budget(value.get("budget"), "activation_checkpointing.budget"),
+        chunked_loss=parse_chunked_loss(value.get("chunked_loss")),
     )
     check_combination(cfg)
     return cfg
@@ -672,6 +727,8 @@ class CheckpointingRequest:
         selective: Any = None,
         layers: Any = None,
         budget: Any = None,
+        chunked_loss: Any = None,
+        enabled: Any = True,
     ) -> CheckpointingRequest:
         """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
         layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
@@ -680,8 +737,16 @@ class CheckpointingRequest:
                 "ActivationCheckpointing(kwargs=...)", "a mapping of torch.utils.checkpoint arguments", kwargs
             )
         budget = parse_budget(budget, "ActivationCheckpointing(budget=...)")
+        chunked = parse_chunked_loss(chunked_loss, "ActivationCheckpointing(chunked_loss=...)")
+        enabled = parse_bool(enabled, "ActivationCheckpointing(enabled=...)")
+        if not enabled and chunked is None:
+            raise ConfigError(
+                "ActivationCheckpointing(enabled=False) recomputes no decoder layer, and without chunked_loss it would "
+                "do nothing. Pass chunked_loss=True to compute the loss in chunks only, or remove the callback."
+            )
         block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
-        return cls(parse_config({**block, "budget": budget}), layers)
+        block = {**block, "budget": budget, "chunked_loss": chunked, "enabled": enabled}
+        return cls(parse_config(block), layers)
 
     @classmethod
     def from_config(cls, config: ActivationCheckpointingConfig) -> CheckpointingRequest:

@@ -44,6 +44,7 @@ from lightning_ac.layers import (
     find_decoder_layers,
     transformers_models,
 )
+from lightning_ac.loss import ChunkedLoss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES, compiled_call, offload_inputs_of_compiled_layer
 from lightning_ac.offload.device import format_bytes
@@ -109,6 +110,7 @@ class Plan:
         self.activation_offload: Optional[ActivationOffloadRuntime] = None
         self.weight_streamer: Optional[LayerWeightStreamer] = None
         self.budget: Optional[BudgetController] = None
+        self.chunked_loss: Optional[ChunkedLoss] = None
         self._journal: Optional[ModuleJournal] = None
         self._deferred = False
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
@@ -125,6 +127,11 @@ class Plan:
     @property
     def applied(self) -> bool:
         return self._journal is not None
+
+    @property
+    def _chunked_loss_here(self) -> bool:
+        """The block asks for the chunked loss, and this run trains (no other stage computes a training loss)."""
+        return self.config.chunked_loss is not None and self._fitting
 
     # -- apply ----------------------------------------------------------------------------------------------
 
@@ -180,7 +187,7 @@ class Plan:
         self._offload_here = self._offload_wanted()
         self._check_releases()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
-            if not self._offload_here:
+            if not self._offload_here and not self._chunked_loss_here:
                 return
             layers = find_decoder_layers(module)
             if layers.hf_models or not _is_lightning_module(module):
@@ -314,6 +321,8 @@ class Plan:
                 self._install_recompute(layers)
                 if self._fitting:
                     self._cache_off_for_the_run(layers)
+            if self._chunked_loss_here:
+                self._install_chunked_loss(layers)
             self._install_verifier()
             self._wrap_training_step()
             self._journal.commit()
@@ -329,6 +338,8 @@ class Plan:
             if cfg.enabled:
                 counted = f"{sum(self.recomputed)}/{len(modules)} {layers.noun}"
                 parts.append(f"checkpointing {counted} ({self._describe()})")
+            if self.chunked_loss is not None:
+                parts.append(self.chunked_loss.describe() + ("" if cfg.enabled else ", nothing recomputed"))
             if self.activation_offload is not None:
                 described = self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed")
                 if self._inputs_around_compiled:
@@ -342,6 +353,18 @@ class Plan:
         self._log_weight_streamer()
         if self.verifier is not None:
             self.verifier.announce()
+
+    def _install_chunked_loss(self, layers: DecoderLayers) -> None:
+        """The causal-LM loss of each transformers model a chunk of tokens at a time (checked before it installs)."""
+        assert self.config.chunked_loss is not None
+        if not layers.hf_models:
+            raise ConfigError(
+                "activation_checkpointing.chunked_loss: the model has no transformers causal-LM model (a "
+                "...ForCausalLM with an lm_head and a loss_function), whose loss the chunks compute. Set chunked_loss: "
+                "false, or compute your own loss in chunks."
+            )
+        self.chunked_loss = ChunkedLoss(self.config.chunked_loss.chunk_tokens, layers.hf_models)
+        self.chunked_loss.install()
 
     def _install_verifier(self) -> None:
         """Verify mode, when a request asks for it and something is transferred in this run."""
@@ -658,14 +681,16 @@ class Plan:
         self._cache_configs = []
         self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
-        streamer, budget = self.weight_streamer, self.budget
+        streamer, budget, chunked_loss = self.weight_streamer, self.budget, self.chunked_loss
         self.activation_offload = self.selective = self._journal = self.weight_streamer = self.budget = None
+        self.chunked_loss = None
         self.recomputed = []
         self._compiled_note, self._inputs_around_compiled = "", 0
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
         home = torch.device("cpu") if after_exception else self._home_device(streamer)
         steps = [
             budget.abort_step if budget is not None else None,
+            chunked_loss.remove if chunked_loss is not None else None,
             functools.partial(streamer.close, home) if streamer is not None else None,
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,

@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 
-
 def _recording(function: Callable[..., Any], calls: List[Optional[bool]]) -> Callable[..., Any]:
     """``function`` (a layer's checkpoint function), appending to ``calls`` for each call, once its region runs,
     whether it ran with grad enabled: a reentrant checkpoint runs its region without grad in the forward, a

@@ -1,0 +1,284 @@
+"""``chunked_loss``: a transformers causal-LM model computes its training loss a chunk of tokens at a time.
+
+For the run, each model's output head (``lm_head``) and its ``loss_function`` are replaced by the instance's own
+attributes (put back at removal). In a training forward called with ``labels`` (the module in training mode,
+gradients on), the head hands the model an empty placeholder instead of the logits and keeps the final hidden
+states; the model's ``loss_function`` then computes the loss from those, a chunk at a time
+(:func:`~lightning_ac.loss.function.chunked_causal_lm_loss`), and the output's ``logits`` is ``None``. Every other
+call (evaluation, no gradients, no labels) computes as the model does.
+
+What a model does between its head and its loss is read from its ``forward``'s source, once, before training: the
+plain ``logits = self.lm_head(...)`` then ``loss = self.loss_function(...)`` of most causal LMs, or the Gemma
+family's final-logit soft-capping, which the chunks apply the same way. Anything else there (a logit scale, a
+sliced vocabulary...) is refused, naming what was found, rather than computed differently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ac._logging import rank_zero_warn
+from lightning_ac.config import AUTO, ConfigError
+from lightning_ac.loss.function import chunked_causal_lm_loss
+
+__all__ = ["ChunkedLoss", "auto_chunk_tokens", "head_to_loss"]
+
+_MISSING = object()
+# Lines a causal LM's forward may hold between its head and its loss: the plain form, and Gemma's soft-capping
+_PLAIN: List[str] = []
+_SOFTCAP = [
+    "if self.config.final_logit_softcapping is not None:",
+    "logits = logits / self.config.final_logit_softcapping",
+    "logits = torch.tanh(logits)",
+    "logits = logits * self.config.final_logit_softcapping",
+]
+_IGNORED = ("loss = None", "if labels is not None:", "loss =")
+
+
+def head_to_loss(model_class: type) -> Optional[List[str]]:
+    """The statements ``model_class.forward`` runs between ``self.lm_head(`` and ``self.loss_function(``
+    (comments and blank lines left out), or ``None`` when its source calls either not at all."""
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return None
+    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
+    if head < 0 or loss < head:
+        return None
+    lines = [line.split("#")[0].strip() for line in source[head:loss].splitlines()[1:]]
+    return [line for line in lines if line and line not in _IGNORED]
+
+
+def auto_chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """``chunk_tokens: auto``: the tokens whose logits hold no more elements than the final hidden states of all
+    ``tokens`` (rounded up to a power of two): the head's working set is then of the size of one layer's input,
+    whatever the vocabulary, and each chunk's matmuls stay as large as that allows."""
+    wanted = max(1, -(-tokens * hidden_size // vocab_size))
+    return min(tokens, 1 << (wanted - 1).bit_length()) if tokens else 1
+
+
+def _standard_loss() -> Any:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+@dataclass
+class _Call:
+    """One training forward with labels: the hidden states the head received, and whether the loss used them."""
+
+    hidden: Optional[torch.Tensor] = None
+    placeholder: Optional[torch.Tensor] = None
+    computed: bool = False
+
+
+class _Model:
+    """What the chunked loss installs on one model, and what it found there before."""
+
+    def __init__(self, model: nn.Module, softcap: Optional[float]) -> None:
+        self.model = model
+        self.head: nn.Module = model.get_output_embeddings()
+        self.softcap = softcap
+        self.calls: List[Optional[_Call]] = []
+        self.handles: List[Any] = []
+        self.saved: Dict[str, Any] = {}
+
+
+class ChunkedLoss:
+    """Computes the causal-LM loss of each model a chunk of tokens at a time, for the run.
+
+    Args:
+        chunk_tokens: Tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`, per call).
+        models: The transformers causal-LM models (each checked by :meth:`check`).
+    """
+
+    def __init__(self, chunk_tokens: Any, models: Sequence[nn.Module]) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._models = [_Model(model, self.check(model)) for model in models]
+        self._said_no_labels = False
+        self.chunked_calls = 0  # training forwards whose loss was chunked
+
+    @staticmethod
+    def check(model: nn.Module) -> Optional[float]:
+        """Whether the chunked loss can compute ``model``'s loss exactly as the model does.
+
+        Returns:
+            The final-logit soft-cap the chunks apply, or ``None``.
+
+        Raises:
+            ConfigError: If it cannot, naming what stands in the way and the fix.
+        """
+        name = type(model).__name__
+        fix = "Set chunked_loss: false for this model."
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            raise ConfigError(
+                f"activation_checkpointing.chunked_loss: {name} has no output head (get_output_embeddings() is None), "
+                f"so there are no logits to chunk. {fix}"
+            )
+        loss = model.__dict__.get("_loss_function", _MISSING)
+        if (
+            loss is not _MISSING
+            and loss is not _standard_loss()
+            or (loss is _MISSING and model.loss_function is not _standard_loss())
+        ):
+            raise ConfigError(
+                f"activation_checkpointing.chunked_loss: {name}.loss_function is not transformers' causal-LM loss "
+                f"(ForCausalLMLoss) but {getattr(model.loss_function, '__name__', model.loss_function)!r}; the chunks "
+                f"would compute another loss than yours. {fix}"
+            )
+        between = head_to_loss(type(model))
+        if between is None:
+            raise ConfigError(
+                f"activation_checkpointing.chunked_loss: {name}.forward does not call self.lm_head(...) and then "
+                f"self.loss_function(...), which is what the chunked loss replaces. {fix}"
+            )
+        if between == _PLAIN:
+            return None
+        if between == _SOFTCAP:
+            return getattr(model.config, "final_logit_softcapping", None)
+        raise ConfigError(
+            f"activation_checkpointing.chunked_loss: {name}.forward changes the logits between its head and its "
+            f"loss ({' / '.join(between)}), which the chunked loss does not reproduce (it knows the plain head and "
+            f"Gemma's final-logit soft-capping). {fix}"
+        )
+
+    # -- install --------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        for entry in self._models:
+            model, head = entry.model, entry.head
+            entry.saved = {
+                "forward": head.__dict__.get("forward", _MISSING),
+                "_loss_function": model.__dict__.get("_loss_function", _MISSING),
+            }
+            original = head.forward
+            head.forward = self._head_forward(entry, original)
+            model._loss_function = self._loss_function(entry, original)
+            entry.handles = [
+                model.register_forward_pre_hook(self._pre_hook(entry), with_kwargs=True),
+                model.register_forward_hook(self._post_hook(entry), always_call=True),
+            ]
+
+    def remove(self) -> None:
+        """Leave every model as it was found. Safe to call more than once."""
+        for entry in self._models:
+            for handle in entry.handles:
+                handle.remove()
+            entry.handles, entry.calls = [], []
+            for owner, name in ((entry.head, "forward"), (entry.model, "_loss_function")):
+                if name not in entry.saved:
+                    continue
+                previous = entry.saved.pop(name)
+                if previous is _MISSING:
+                    owner.__dict__.pop(name, None)
+                else:
+                    owner.__dict__[name] = previous
+
+    def describe(self) -> str:
+        heads = ", ".join(sorted({f"{type(e.model).__name__}.lm_head" for e in self._models}))
+        if self.chunk_tokens == AUTO:
+            tokens = "chunks of logits no larger than the final hidden states"
+        else:
+            tokens = f"{self.chunk_tokens} tokens at a time"
+        return f"loss chunked: {tokens} through {heads} (training forwards with labels return logits=None)"
+
+    # -- the replacements -----------------------------------------------------------------------------------
+
+    def _pre_hook(self, entry: _Model) -> Any:
+        signature = inspect.signature(type(entry.model).forward)
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            labels = kwargs.get("labels")
+            if labels is None and args:
+                labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
+            training = module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            if training and labels is None and not self._said_no_labels:
+                self._said_no_labels = True
+                rank_zero_warn(
+                    f"chunked_loss: a training forward of {type(module).__name__} was called without labels, so its "
+                    "logits are built whole there and the loss is computed outside the model. Pass labels= to the "
+                    "model for its loss to be chunked (said once)."
+                )
+            entry.calls.append(_Call() if training and labels is not None else None)
+
+        return pre_hook
+
+    def _head_forward(self, entry: _Model, original: Any) -> Any:
+        def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            call = entry.calls[-1] if entry.calls else None
+            if call is None or call.hidden is not None or args or kwargs:
+                return original(hidden, *args, **kwargs)
+            call.hidden = hidden
+            # what the model passes on as its logits: nothing of the vocabulary's size
+            call.placeholder = hidden.new_empty(*hidden.shape[:-1], 0)
+            return call.placeholder
+
+        return forward
+
+    def _loss_function(self, entry: _Model, head_forward: Any) -> Any:
+        standard = _standard_loss()
+
+        def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs: Any) -> Any:
+            call = entry.calls[-1] if entry.calls else None
+            if call is None or call.hidden is None or call.computed:
+                return standard(logits, labels, vocab_size, **kwargs)
+            call.computed = True
+            self.chunked_calls += 1
+            params = [p for p in entry.head.parameters() if p.requires_grad]
+            hidden = call.hidden
+            tokens = self.chunk_tokens
+            if tokens == AUTO:
+                tokens = auto_chunk_tokens(hidden.shape[:-1].numel(), hidden.shape[-1], vocab_size)
+            return chunked_causal_lm_loss(
+                hidden,
+                labels,
+                head_forward,
+                params,
+                tokens,
+                ignore_index=kwargs.get("ignore_index", -100),
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+                shifted_labels=kwargs.get("shift_labels"),
+                softcap=entry.softcap,
+            )
+
+        return loss_function
+
+    def _post_hook(self, entry: _Model) -> Any:
+        def post_hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            call = entry.calls.pop() if entry.calls else None
+            if call is None or call.hidden is None:
+                return None
+            if not call.computed:
+                raise RuntimeError(
+                    f"chunked_loss: {type(module).__name__}'s forward took its output head's logits but did not "
+                    "compute its loss with self.loss_function, so the chunked loss could not stand in for them. Set "
+                    "chunked_loss: false for this model."
+                )
+            return _without_logits(output, call)
+
+        return post_hook
+
+
+def _without_logits(output: Any, call: _Call) -> Any:
+    """The model's output with ``logits`` ``None``: the placeholder (or what the model made of it) is not logits."""
+    from transformers.utils import ModelOutput
+
+    def is_placeholder(value: Any) -> bool:
+        return torch.is_tensor(value) and value.shape[-1:] == (0,) and value.shape[:-1] == call.hidden.shape[:-1]
+
+    if isinstance(output, ModelOutput):
+        if is_placeholder(output.get("logits")):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+        return output
+    if isinstance(output, tuple):
+        return tuple(None if is_placeholder(v) else v for v in output)
+    return output

@@ -1,0 +1,398 @@
+"""The block's ``chunked_loss``: the causal-LM loss a chunk of tokens at a time, against the same run without it.
+
+Real transformers models from small configs, a real Trainer. One chunk holding every token runs the model's own
+kernels in its order: bit-identical. More chunks sum the loss in another order: within float rounding (measured on
+these models: losses equal or within 1 ulp, gradients within 4e-7 of each tensor's largest value; the tests allow
+1e-6 and 1e-5)."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import BATCH, LM, SEQ, VOCAB, OpCounter, clone, make_trainer, model_fingerprint, tiny_config, tiny_model
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, callbacks_from_config
+from lightning_ac.bench.memory import StepMetrics
+from lightning_ac.config import parse_config
+from lightning_ac.loss.function import chunked_causal_lm_loss
+from lightning_ac.loss.install import auto_chunk_tokens
+
+LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
+TOKENS = BATCH * SEQ
+
+
+class StepsLM(LM):
+    """Every step's loss and gradients (LM keeps the first step's)."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 0.1) -> None:
+        super().__init__(model, lr)
+        self.step_grads: List[Dict[str, torch.Tensor]] = []
+        self.logits: List[object] = []
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        output = self.model(input_ids=ids, labels=ids)
+        self.logits.append(output.logits)
+        self.losses.append(float(output.loss.detach()))
+        return output.loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
+
+
+def batches(steps: int = 2, vocab: int = VOCAB, seq: int = SEQ, seed: int = 1) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randint(0, vocab, (BATCH, seq), generator=g),) for _ in range(steps)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def train(base, callbacks=(), steps: int = 2, module_cls=StepsLM, data=None, **kwargs) -> StepsLM:
+    module = module_cls(clone(base))
+    make_trainer(list(callbacks), max_steps=steps, **kwargs).fit(module, data if data is not None else batches(steps))
+    return module
+
+
+def assert_same(reference: StepsLM, run: StepsLM, exact: bool) -> None:
+    assert len(reference.step_grads) == len(run.step_grads) > 0
+    for want, got in zip(reference.losses, run.losses):
+        assert want == got if exact else abs(want - got) <= LOSS_RTOL * abs(want), (want, got)
+    for step, (want, got) in enumerate(zip(reference.step_grads, run.step_grads)):
+        assert want.keys() == got.keys()
+        for name, grad in want.items():
+            if exact:
+                assert torch.equal(grad, got[name]), f"step {step}: {name}"
+            else:
+                scale = grad.abs().max().item() or 1.0
+                assert (grad - got[name]).abs().max().item() <= GRAD_RTOL * scale, f"step {step}: {name}"
+
+
+# -- the field ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, tokens",
+    [(True, "auto"), ("true", "auto"), ({"chunk_tokens": 8}, 8), ({"chunk_tokens": "auto"}, "auto"), ({}, "auto")],
+)
+def test_chunked_loss_values(value, tokens):
+    assert parse_config({"chunked_loss": value}).chunked_loss.chunk_tokens == tokens
+    assert ActivationCheckpointing(chunked_loss=value).config.chunked_loss.chunk_tokens == tokens
+
+
+@pytest.mark.parametrize("value", [False, None, "false"])
+def test_chunked_loss_off(value):
+    assert parse_config({"chunked_loss": value}).chunked_loss is None
+
+
+@pytest.mark.parametrize(
+    "value, names",
+    [
+        (8, "expected true, false or a mapping"),
+        ("lots", "expected true, false or a mapping"),
+        ([8], "expected true, false or a mapping"),
+        ({"chunk_tokens": 0}, "chunked_loss.chunk_tokens"),
+        ({"chunk_tokens": 1.5}, "chunked_loss.chunk_tokens"),
+        ({"chunk_tokens": True}, "chunked_loss.chunk_tokens"),
+        ({"chunks": 8}, "chunks"),
+    ],
+)
+def test_bad_chunked_loss_names_the_field_the_value_and_the_fix(value, names):
+    with pytest.raises(ConfigError, match="activation_checkpointing.chunked_loss") as block:
+        parse_config({"chunked_loss": value})
+    assert names in str(block.value)
+    with pytest.raises(ConfigError, match=r"ActivationCheckpointing\(chunked_loss=...\)"):
+        ActivationCheckpointing(chunked_loss=value)
+
+
+def test_enabled_false_without_chunked_loss_is_an_error():
+    with pytest.raises(ConfigError, match="would do nothing. Pass chunked_loss=True"):
+        ActivationCheckpointing(enabled=False)
+
+
+def test_auto_chunk_tokens_keeps_a_chunk_of_logits_to_the_size_of_the_hidden_states():
+    assert auto_chunk_tokens(2048, 256, 32000) == 32  # 16.4 tokens' logits = 2048 tokens' hidden states
+    assert auto_chunk_tokens(8192, 4096, 128256) == 512
+    assert auto_chunk_tokens(64, 64, 128) == 32
+    assert auto_chunk_tokens(3, 4096, 128) == 3, "never more than the tokens"
+
+
+# -- the loss itself ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_items", [None, 40])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_loss_matches_transformers_causal_lm_loss(dtype, num_items, softcap):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    vocab, hidden_size = 50, 16
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype)
+    hidden = torch.randn(BATCH, 33, hidden_size, dtype=dtype)
+    labels = torch.randint(0, vocab, (BATCH, 33))
+    labels[0, :5] = -100  # ignored
+    items = None if num_items is None else torch.tensor(num_items)
+
+    def reference():
+        h = hidden.clone().requires_grad_()
+        logits = head(h)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        loss = ForCausalLMLoss(logits, labels, vocab, num_items_in_batch=items)
+        return (loss, *torch.autograd.grad(loss, [h, head.weight]))
+
+    def chunked(tokens):
+        h = hidden.clone().requires_grad_()
+        loss = chunked_causal_lm_loss(h, labels, head, [head.weight], tokens, num_items_in_batch=items, softcap=softcap)
+        return (loss, *torch.autograd.grad(loss, [h, head.weight]))
+
+    want = reference()
+    for got, exact in ((chunked(BATCH * 33), True), (chunked(7), False)):
+        for w, g in zip(want, got):
+            if exact:
+                assert torch.equal(w, g)
+            else:  # bf16: the weight's gradient adds up in float32 over the chunks, then rounds once
+                tolerance = (LOSS_RTOL if w.dim() == 0 else GRAD_RTOL) if dtype == torch.float32 else 2**-7
+                assert (w - g).abs().max() <= tolerance * w.abs().max()
+
+
+# -- in a Trainer --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_off(llama):
+    return train(llama)
+
+
+def test_one_chunk_of_every_token_is_bit_identical(llama, llama_off):
+    run = train(llama, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})])
+    assert_same(llama_off, run, exact=True)
+    assert run.logits == [None, None], "no logits are built in the training forwards"
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {},
+        {"kwargs": {"every_n_layers": 2}},
+        {"selective": True},
+        {"budget": "1MiB"},
+        {"reentrant": True},
+    ],
+    ids=["full", "every_2", "selective", "budget", "reentrant"],
+)
+def test_chunks_compose_with_the_block(llama, llama_off, arguments):
+    run = train(llama, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}, **arguments)])
+    assert_same(llama_off, run, exact=False)
+
+
+def test_with_enabled_false_it_recomputes_nothing(llama, llama_off, caplog):
+    (callback,) = callbacks_from_config({"enabled": False, "chunked_loss": {"chunk_tokens": 5}})
+    counted = {}
+
+    class Count(pl.Callback):
+        def on_before_backward(self, trainer, module, loss):
+            self.counter = OpCounter().__enter__()
+
+        def on_after_backward(self, trainer, module):
+            self.counter.__exit__(None, None, None)
+            counted.setdefault("mm", self.counter.counts["aten.mm"])
+
+    plain_count = Count()
+    train(llama, [plain_count], steps=1)
+    plain = counted.pop("mm")
+    run = train(llama, [callback, Count()])
+    assert_same(llama_off, run, exact=False)
+    # the head's backward matmuls ran in the forward: the layers' backward, and nothing recomputed
+    assert counted["mm"] < plain
+    assert any("loss chunked" in m and "nothing recomputed" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize(
+    "family, overrides, lora",
+    [
+        ("llama", {}, True),  # LoRA: the head frozen
+        ("qwen3", {}, False),  # sliding-window layers, the head trains
+        ("gemma3_text", {"final_logit_softcapping": 30.0}, False),  # soft-capped, the head tied to the embeddings
+    ],
+    ids=["llama-lora", "qwen3", "gemma3-softcap-tied"],
+)
+def test_models(family, overrides, lora):
+    base = tiny_model(family, lora=lora, **overrides)
+    plain = train(base)
+    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})]), exact=True)
+    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})]), exact=False)
+
+
+def test_a_trainable_lm_head_in_peft_modules_to_save():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    )
+    plain = train(model)
+    assert any("modules_to_save" in name and "lm_head" in name for name in plain.step_grads[0])
+    assert_same(plain, train(model, [ActivationCheckpointing(chunked_loss=True)]), exact=False)
+
+
+def test_bfloat16():
+    base = tiny_model("llama").to(torch.bfloat16)
+    plain = train(base)
+    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})]), exact=True)
+
+
+class IgnoringLM(StepsLM):
+    """Labels with ignored positions and the batch's token count passed as ``num_items_in_batch``, as gradient
+    accumulation does."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        labels = ids.clone()
+        labels[:, : SEQ // 4] = -100
+        items = (labels[:, 1:] != -100).sum() * 2  # as if over two micro-batches
+        output = self.model(input_ids=ids, labels=labels, num_items_in_batch=items)
+        self.losses.append(float(output.loss.detach()))
+        return output.loss
+
+
+def test_ignored_labels_and_num_items_in_batch(llama):
+    plain = train(llama, module_cls=IgnoringLM)
+    assert_same(plain, train(llama, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})],
+                             module_cls=IgnoringLM), exact=True)  # fmt: skip
+    assert_same(plain, train(llama, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})],
+                             module_cls=IgnoringLM), exact=False)  # fmt: skip
+
+
+def test_a_mixture_of_experts_router_loss_is_added_as_the_model_adds_it():
+    base = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      output_router_logits=True, router_aux_loss_coef=0.5)  # fmt: skip
+    plain = train(base)
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})])
+    assert_same(plain, run, exact=True)
+
+
+@pytest.mark.parametrize("target", ["hidden_states", "all"])
+def test_offload_targets(llama, llama_off, transfer, target):
+    offload = ActivationOffload(copy_on_host=True, min_offload_bytes=0, **{target: "cpu"})
+    run = train(llama, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}), offload])
+    assert_same(llama_off, run, exact=False)
+    assert offload.last_step[target]["tensors"] > 0
+
+
+def test_layer_offloading():
+    base = tiny_model("llama", lora=True)
+    plain = train(base)
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}), LayerOffload(copy_on_host=True)])
+    assert_same(plain, run, exact=False)
+
+
+# -- left as found, messages, refusals ------------------------------------------------------------------------------
+
+
+def test_the_model_is_left_as_found_and_returns_logits_outside_training(llama):
+    module = StepsLM(clone(llama))
+    before = model_fingerprint(module)
+    make_trainer([ActivationCheckpointing(chunked_loss=True)], max_steps=1).fit(module, batches(1))
+    assert module.logits == [None]
+    assert model_fingerprint(module) == before
+    ids = batches(1).dataset[0][0]
+    module.model.train()
+    output = module.model(input_ids=ids, labels=ids)
+    assert output.logits.shape == (BATCH, SEQ, VOCAB), "after the run: the model's own logits"
+
+
+class ValidatingLM(StepsLM):
+    def validation_step(self, batch, batch_idx):
+        ids = batch[0]
+        output = self.model(input_ids=ids, labels=ids)
+        self.logits.append(output.logits)
+        return output.loss
+
+
+def test_validation_gets_its_logits(llama):
+    module = ValidatingLM(clone(llama))
+    trainer = make_trainer([ActivationCheckpointing(chunked_loss=True)], max_steps=2, val_check_interval=1,
+                           limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(module, batches(2), batches(1))
+    shapes = [None if logits is None else tuple(logits.shape) for logits in module.logits]
+    assert shapes == [None, (BATCH, SEQ, VOCAB), None, (BATCH, SEQ, VOCAB)]
+
+
+class NoLabelsLM(StepsLM):
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        logits = self.model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def test_a_training_forward_without_labels_is_said_once_and_computes_as_before(llama):
+    plain = train(llama, module_cls=NoLabelsLM)
+    with pytest.warns(UserWarning, match="without labels") as caught:
+        run = train(llama, [ActivationCheckpointing(chunked_loss=True)], module_cls=NoLabelsLM)
+    assert len([w for w in caught if "without labels" in str(w.message)]) == 1
+    assert_same(plain, run, exact=True)
+
+
+def test_a_model_that_changes_its_logits_otherwise_is_refused_before_training():
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("cohere", logit_scale=0.5)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"CohereForCausalLM.forward changes the logits .*logit_scale"):
+        train(model, [ActivationCheckpointing(chunked_loss=True)], steps=1)
+
+
+def test_a_custom_loss_function_is_refused_before_training():
+    model = tiny_model("llama")
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()
+    with pytest.raises(ConfigError, match="loss_function is not transformers' causal-LM loss"):
+        train(model, [ActivationCheckpointing(chunked_loss=True)], steps=1)
+    assert "_loss_function" in model.__dict__, "the user's loss function is still there"
+
+
+def test_plain_torch_layers_are_refused():
+    from test_layer_offload import Net
+
+    with pytest.raises(ConfigError, match="has no transformers causal-LM model"):
+        make_trainer([ActivationCheckpointing(layers=["blocks.*"], chunked_loss=True)]).fit(Net(), _net_batches())
+
+
+def _net_batches():
+    return torch.utils.data.DataLoader([(torch.randn(8, 16),)], batch_size=None)
+
+
+# -- memory --------------------------------------------------------------------------------------------------------
+
+
+class FloorLM(StepsLM):
+    """The step without the head's activations: the logits of the last token only (the floor)."""
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], logits_to_keep=1).logits.float().mean()
+
+
+def test_the_activation_peak_drops_by_the_heads_share():
+    vocab = 4096  # the head's logits outweigh these layers' activations, as with a real vocabulary
+    base = tiny_model("llama", lora=True, vocab_size=vocab)
+    data = batches(3, vocab=vocab, seq=128)
+
+    def peak(callbacks, module_cls=StepsLM):
+        metrics = StepMetrics(measure_step=2, warmup_steps=0)
+        train(base, [*callbacks, metrics], steps=3, module_cls=module_cls, data=data)
+        return metrics.peak.activation_bytes
+
+    full = peak([ActivationCheckpointing()])
+    chunked = peak([ActivationCheckpointing(chunked_loss=True)])
+    floor = peak([ActivationCheckpointing()], FloorLM)
+    assert chunked <= 0.3 * full, (chunked, full)
+    assert chunked <= 1.3 * floor, (chunked, floor)
