@@ -478,6 +478,8 @@ class Plan:
                 policy=self.selective,
                 rules_held="selective" not in moved,
                 layer_types=layers.layer_types,
+                # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
+                head_chunkable=cfg.chunked_loss is None and bool(layers.output_heads()),
             )
             switches = self.budget.switches
         if layers.hf_models and cfg.implementation == "hf":

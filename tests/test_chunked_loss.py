@@ -396,3 +396,27 @@ def test_the_activation_peak_drops_by_the_heads_share():
     floor = peak([ActivationCheckpointing()], FloorLM)
     assert chunked <= 0.3 * full, (chunked, full)
     assert chunked <= 1.3 * floor, (chunked, floor)
+
+
+def test_under_a_budget_the_smaller_head_leaves_room_for_kept_layers():
+    vocab = 4096
+    base = tiny_model("llama", lora=True, vocab_size=vocab)
+    data = batches(6, vocab=vocab, seq=128)
+
+    def peak(callbacks):
+        metrics = StepMetrics(measure_step=5, warmup_steps=0)
+        train(base, [*callbacks, metrics], steps=6, data=data)
+        return metrics.peak.activation_bytes
+
+    off = peak([ActivationCheckpointing(enabled=False, chunked_loss=True)])
+    full = peak([ActivationCheckpointing(chunked_loss=True)])
+    budget = (off + full) // 2  # between full and off, with the loss chunked; below full without it
+    chunked = ActivationCheckpointing(budget=budget, chunked_loss=True)
+    assert peak([chunked]) <= budget
+    assert chunked.budget_plan["choices"].count("keep") >= 1
+    whole = ActivationCheckpointing(budget=budget)
+    with pytest.warns(UserWarning, match="over the budget") as caught:
+        peak([whole])
+    advice = next(str(w.message) for w in caught if "over the budget" in str(w.message))
+    assert "chunked_loss: true (the output head's logits and their gradient hold" in advice
+    assert whole.budget_plan["choices"] == ["recompute"] * 4

@@ -56,6 +56,8 @@ HEAD_FACTOR = 2
 # Before the save rules have run in a layer, their time is guessed at this fraction of a whole recompute: low enough
 # that they are tried wherever they fit, and measured in the step that runs them.
 SELECTIVE_GUESS = 0.5
+# The nothing-fits advice names chunked_loss where the output head holds more than this share of the peak.
+HEAD_ADVICE_SHARE = 0.25
 # Figures measured at more tokens that differ from the scaled ones by more than this do not scale linearly.
 LINEAR_TOLERANCE = 0.10
 
@@ -80,6 +82,8 @@ class BudgetController:
             to host memory on an accelerator).
         layer_types: Each layer's attention type (``sliding_attention``...), where the model says: the save rules'
             measured cost in one layer stands for the layers of its type until they are measured themselves.
+        head_chunkable: Whether the block's ``chunked_loss`` is off for a model with an output head: then, where
+            the head holds a large share of the peak, the nothing-fits advice names it.
     """
 
     def __init__(
@@ -94,8 +98,10 @@ class BudgetController:
         policy: Optional[SelectivePolicy] = None,
         rules_held: bool = True,
         layer_types: Optional[Sequence[Optional[str]]] = None,
+        head_chunkable: bool = False,
     ) -> None:
         self.requested = budget
+        self.head_chunkable = head_chunkable
         self.budget_bytes: Optional[int] = None if budget == AUTO else int(budget)
         self.device = device
         self.input_held = input_held
@@ -519,6 +525,11 @@ class BudgetController:
         """What lowers the activation peak below every layer recomputed, in this configuration. (Layer offloading
         is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
         ways = []
+        if self.head_chunkable and self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0):
+            ways.append(
+                f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
+                " of it; the loss a chunk of tokens at a time holds a chunk's)"
+            )
         if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
             ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
         ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
