@@ -302,6 +302,29 @@ def test_one_statistic_and_ratios_that_noise_decided_are_marked():
     assert "| 1.020 | 1.02x~ |" in table and "~: within noise" in table
 
 
+def test_ratios_of_one_repetition_say_so_instead_of_passing_for_measured_differences():
+    """One repetition has no spread to tell noise from a difference: its ratios are marked, with a footnote."""
+    rows = [
+        bench.Row("off", "suite", 100, 1.00, 0.0),  # --reps 1: no spread
+        bench.Row("full", "suite", 20, 1.30, 0.0),
+        bench.Row("every_2", "suite", 60, 1.02, 0.0, step_time_spread=0.01),  # measured twice, against a single off
+    ]
+    table = bench.results_markdown(rows)
+    assert "| 1.000 | 1.00x | — |" in table, "a row against itself is no comparison"
+    assert "| 1.300 | 1.30x¹ | — |" in table and "| 1.020 | 1.02x¹ | — |" in table
+    assert "¹: one repetition" in table and "~" not in table
+
+
+def test_results_of_layer_offloading_modes_alone_have_no_empty_main_table():
+    rows = [
+        bench.Row("lora_full", "suite", None, 1.0, 0.0, step_time_spread=0.1),
+        bench.Row("layer_offload", "suite", None, 1.2, 0.0, step_time_spread=0.1),
+    ]
+    table = bench.results_markdown(rows)
+    assert "vs hf_native_full" not in table, "the main table has no row"
+    assert table.startswith("Layer offloading") and "| `layer_offload` | 0 |" in table
+
+
 def test_labels_of_points_that_sit_together_are_kept_apart_and_led_to_their_points():
     """The placement itself, in display pixels: a label goes next to its point's right, or its left where the area
     ends or an obstacle (the legend) sits there; the labels of points that sit on one another move away, each with
