@@ -2,77 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import lightning.pytorch as pl
 import torch
+from corpus import corpus_text, python_version
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("train")
-
-# Standard-library modules whose docstrings make the corpus: real English prose shipped with every Python.
-CORPUS_MODULES = (
-    "argparse",
-    "asyncio",
-    "collections",
-    "contextlib",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email",
-    "enum",
-    "fractions",
-    "functools",
-    "heapq",
-    "http.client",
-    "inspect",
-    "io",
-    "itertools",
-    "json",
-    "logging",
-    "os",
-    "pathlib",
-    "pickle",
-    "random",
-    "re",
-    "shutil",
-    "socket",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "textwrap",
-    "threading",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "uuid",
-    "warnings",
-    "zipfile",
-)
-
-
-def corpus_text() -> str:
-    """Docstrings of standard-library modules and their public members, in a fixed order."""
-    parts: List[str] = []
-    for name in CORPUS_MODULES:
-        module = importlib.import_module(name)
-        for obj in [module, *(getattr(module, n) for n in sorted(dir(module)) if not n.startswith("_"))]:
-            doc = (
-                inspect.getdoc(obj)
-                if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj))
-                else None
-            )
-            if doc and len(doc) > 80 and doc not in parts:
-                parts.append(doc)
-    return "\n\n".join(parts)
 
 
 class ByteChunks(Dataset):
@@ -93,7 +33,13 @@ class ByteChunks(Dataset):
 
 
 def make_dataloader(data_cfg: DictConfig, vocab_size: int, seed: int) -> DataLoader:
-    dataset = ByteChunks(corpus_text(), data_cfg.seq_len, vocab_size)
+    text = corpus_text()
+    log.info(
+        "corpus: %d characters, the docstrings of a fixed list of %s's standard-library names",
+        len(text),
+        python_version(),
+    )
+    dataset = ByteChunks(text, data_cfg.seq_len, vocab_size)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=data_cfg.batch_size, shuffle=True, generator=generator, drop_last=True)
 

@@ -6,7 +6,8 @@
     python examples/train.py -m activation_checkpointing=off,full,every_2   # sweep, writes sweep_summary.*
 
 The model is built from a config (random init, no download) and trained on English prose that ships with
-Python: the docstrings of standard-library modules, as bytes. Each run writes ``summary.json`` to its
+Python: the docstrings of a fixed list of standard-library names (examples/corpus.py), as bytes: the same text for
+the same Python version, whatever else is installed. Each run writes ``summary.json`` to its
 output directory; a multirun also writes ``sweep_summary.csv`` and ``sweep_summary.png`` to the sweep dir. A bad
 value stops a single run with exit status 2 before training; in a sweep, that job is recorded as failed, the others
 run, and the sweep exits with status 2 at the end.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -52,6 +53,33 @@ def test_default_run_trains_and_writes_summary(tmp_path):
     assert data["peak_memory_bytes"] > 0 and data["peak_activation_bytes"] > 0
     assert data["step_time_s"] > 0
     assert "loss" in result.stdout + result.stderr
+    corpus = re.search(r"corpus: (\d+) characters, the docstrings of a fixed list of (\S+ \S+)'s", result.stdout)
+    assert corpus and corpus[2] == f"{platform.python_implementation()} {platform.python_version()}"
+
+
+def _corpus_digest(setup: str) -> str:
+    """The main job's corpus, as its data loader reads it, in a fresh process that first runs ``setup``."""
+    code = (
+        f"import hashlib, sys; sys.path.insert(0, 'examples'); {setup}; import lm; text = lm.corpus_text(); "
+        "print(len(text), hashlib.sha256(text.encode()).hexdigest())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split("\n")[-2]
+
+
+def test_the_corpus_is_the_same_whatever_the_process_imported_or_replaced():
+    """The loss reproduces across installs only if the text does: it is a function of the Python version alone, not
+    of the submodules other libraries import (dir() of a package lists them) or the functions they replace."""
+    alone = _corpus_digest("pass")
+    crowded = _corpus_digest(
+        "import transformers, peft, hydra, matplotlib.pyplot, lightning_ac, email.mime.text, logging.handlers, "
+        "unittest.mock, http.cookiejar, xml.dom.minidom; import asyncio; asyncio.run = lambda main, debug=None: None"
+    )
+    assert alone == crowded
+    assert int(alone.split()[0]) > 8 * 256 * 100, "100 steps of 8 x 256 bytes read each chunk at most once"
 
 
 @pytest.mark.parametrize(
