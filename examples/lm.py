@@ -2,77 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
-from typing import Any, Dict, List
+import math
+import time
+from typing import Any, Dict, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+from corpus import corpus_text, python_version
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("train")
-
-# Standard-library modules whose docstrings make the corpus: real English prose shipped with every Python.
-CORPUS_MODULES = (
-    "argparse",
-    "asyncio",
-    "collections",
-    "contextlib",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email",
-    "enum",
-    "fractions",
-    "functools",
-    "heapq",
-    "http.client",
-    "inspect",
-    "io",
-    "itertools",
-    "json",
-    "logging",
-    "os",
-    "pathlib",
-    "pickle",
-    "random",
-    "re",
-    "shutil",
-    "socket",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "textwrap",
-    "threading",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "uuid",
-    "warnings",
-    "zipfile",
-)
-
-
-def corpus_text() -> str:
-    """Docstrings of standard-library modules and their public members, in a fixed order."""
-    parts: List[str] = []
-    for name in CORPUS_MODULES:
-        module = importlib.import_module(name)
-        for obj in [module, *(getattr(module, n) for n in sorted(dir(module)) if not n.startswith("_"))]:
-            doc = (
-                inspect.getdoc(obj)
-                if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj))
-                else None
-            )
-            if doc and len(doc) > 80 and doc not in parts:
-                parts.append(doc)
-    return "\n\n".join(parts)
 
 
 class ByteChunks(Dataset):
@@ -93,7 +35,13 @@ class ByteChunks(Dataset):
 
 
 def make_dataloader(data_cfg: DictConfig, vocab_size: int, seed: int) -> DataLoader:
-    dataset = ByteChunks(corpus_text(), data_cfg.seq_len, vocab_size)
+    text = corpus_text()
+    log.info(
+        "corpus: %d characters, the docstrings of a fixed list of %s's standard-library names",
+        len(text),
+        python_version(),
+    )
+    dataset = ByteChunks(text, data_cfg.seq_len, vocab_size)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=data_cfg.batch_size, shuffle=True, generator=generator, drop_last=True)
 
@@ -140,15 +88,45 @@ class CausalLM(pl.LightningModule):
 
 
 class LossPrinter(Callback):
-    """Log the training loss every ``every`` steps, so a plain log shows it going down."""
+    """Log the training loss every ``every`` steps, so a plain log shows it going down; with ``time_left``, also the
+    time a step takes and the time left (the progress lines of a run without Lightning's progress bar)."""
 
-    def __init__(self, every: int = 10) -> None:
+    def __init__(self, every: int = 10, time_left: bool = False) -> None:
         self.every = every
+        self.time_left = time_left
+        self._start: Optional[Tuple[float, int]] = None  # when training started, and at which step
+        self._last = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = (time.perf_counter(), trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        if step == self._last:  # a micro-batch of a step already shown (gradient accumulation)
+            return
         if step == 1 or step % self.every == 0 or step == trainer.max_steps:
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            log.info("step %4d  loss %.4f", step, float(loss))
+            self._last = step
+            loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+            if not self.time_left:
+                log.info("step %4d  loss %.4f", step, loss)
+                return
+            total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+            started, first = self._start or (time.perf_counter(), 0)
+            per_step = (time.perf_counter() - started) / max(1, step - first)
+            if math.isfinite(total):
+                left = _duration(per_step * max(0, int(total) - step))
+                log.info("step %4d/%d  loss %.4f  %.2f s a step, %s left", step, int(total), loss, per_step, left)
+            else:
+                log.info("step %4d  loss %.4f  %.2f s a step", step, loss, per_step)
+
+
+def _duration(seconds: float) -> str:
+    """``41 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

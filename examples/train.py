@@ -6,7 +6,8 @@
     python examples/train.py -m activation_checkpointing=off,full,every_2   # sweep, writes sweep_summary.*
 
 The model is built from a config (random init, no download) and trained on English prose that ships with
-Python: the docstrings of standard-library modules, as bytes. Each run writes ``summary.json`` to its
+Python: the docstrings of a fixed list of standard-library names (examples/corpus.py), as bytes: the same text for
+the same Python version, whatever else is installed. Each run writes ``summary.json`` to its
 output directory; a multirun also writes ``sweep_summary.csv`` and ``sweep_summary.png`` to the sweep dir. A bad
 value stops a single run with exit status 2 before training; in a sweep, that job is recorded as failed, the others
 run, and the sweep exits with status 2 at the end.
@@ -20,7 +21,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import hydra
 import lightning.pytorch as pl
@@ -156,9 +157,33 @@ def resolve_block(cfg: DictConfig) -> Dict[str, Any]:
     return data
 
 
+PROGRESS = ("auto", "bar", "lines")
+
+
+def progress_mode(value: Any, trainer_cfg: Any = None, terminal: Optional[bool] = None) -> str:
+    """``progress``, resolved: ``bar`` (Lightning's progress bar) or ``lines`` (a line a step, with the time left).
+    ``auto`` is the bar on a terminal (``terminal``: whether stdout, where the bar goes, is one) and lines otherwise,
+    where a bar would print nothing readable (a log file, CI)."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in PROGRESS:
+        raise ConfigError(
+            f"progress: expected auto, bar or lines, got {value!r}. auto shows Lightning's progress bar on a terminal "
+            "and a line a step with the time left otherwise; bar and lines choose one of them."
+        )
+    if trainer_cfg is not None and "enable_progress_bar" in trainer_cfg:
+        raise ConfigError(
+            f"trainer.enable_progress_bar={trainer_cfg['enable_progress_bar']!r}: the job's progress key chooses "
+            "it. Set progress=bar (Lightning's progress bar), progress=lines (a line a step) or progress=auto instead."
+        )
+    if text == "auto":
+        return "bar" if (sys.stdout.isatty() if terminal is None else terminal) else "lines"
+    return text
+
+
 def run(cfg: DictConfig) -> Dict[str, Any]:
     if not isinstance(cfg.print_every, int) or cfg.print_every < 1:
         raise ConfigError(f"print_every: expected an integer >= 1, got {cfg.print_every!r}.")
+    progress = progress_mode(cfg.progress, cfg.trainer)
     if cfg.model.config.vocab_size < 256:
         raise ConfigError(
             "model.config.vocab_size: the example trains on bytes, so it needs >= 256, "
@@ -191,7 +216,12 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     metrics = StepMetrics(measure_step=cfg.measure.memory_step, warmup_steps=cfg.measure.warmup_steps)
     trainer = pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),
-        callbacks=[*callbacks, metrics, LossPrinter(every=cfg.print_every)],
+        callbacks=[
+            *callbacks,
+            metrics,
+            LossPrinter(every=1, time_left=True) if progress == "lines" else LossPrinter(every=cfg.print_every),
+        ],
+        enable_progress_bar=progress == "bar",
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,37 @@ def test_planner_picks_the_fastest_mode_that_fits():
     assert "No mode fits" in explain(plan_mode(rows, 10, 100, 200, errors), 10, 200, 100)
 
 
+def _recommended_budgets(text):
+    from lightning_ac.config import parse_size
+
+    return [parse_size(size, "budget") for size in re.findall(r"budget: (\S+) in the activation_checkpointing", text)]
+
+
+def test_the_planner_never_recommends_a_budget_below_what_the_least_memory_mode_needs():
+    """The memory budget recomputes every layer at the least, as full does: a budget under full's estimate (widened
+    by its margin) would only be overrun. Where no mode fits, the planner says what would (fewer tokens, a larger
+    budget), and it never rounds a budget it recommends to below full's need."""
+    from lightning_ac.bench.planner import explain, plan_mode
+
+    rows = [_row("off", 1000, 1.0), _row("every_2", 600, 1.1), _row("full", 200, 1.3)]
+    errors = {"full": 0.25}  # full needs 400 * 1.25 = 500 bytes at 200 tokens
+    for budget in (300, 450):  # under full's estimate; over it, under its margin
+        text = explain(plan_mode(rows, budget, 100, 200, errors), budget, 200, 100)
+        assert "No mode fits: the least activation memory of any mode is full's" in text
+        assert f"full at up to {budget * 200 // 500} tokens per step" in text and "a budget of 500B or more" in text
+        assert _recommended_budgets(text) == [500], text
+    # an offload mode fits where full does not (an accelerator): it is the pick, and the budget is still full's floor
+    offload = [*rows, _row("offload_hidden", 150, 1.6)]
+    text = explain(plan_mode(offload, 350, 100, 200), 350, 200, 100)
+    assert "Use: offload_hidden" in text and _recommended_budgets(text) == [400], text
+    # a budget that fits full, but whose setting at three digits would round to below what full needs
+    mib = 2**20
+    rows = [_row("off", 400 * mib, 1.0), _row("full", int(110.3 * mib), 1.3)]
+    budget = int(110.4 * mib)
+    text = explain(plan_mode(rows, budget, 100, 100), budget, 100, 100)
+    assert "Use: full" in text and _recommended_budgets(text) == [111 * mib], text
+
+
 def test_budget_rows_hold_their_claims_on_a_tiny_model(tmp_path, monkeypatch):
     tiny_preset(monkeypatch, hidden=64, seq=128)
     rows = bench.main(["--preset", "tiny", "--modes", "budget_50", "budget_25", "--out", str(tmp_path)])
@@ -268,6 +300,29 @@ def test_one_statistic_and_ratios_that_noise_decided_are_marked():
     table = bench.results_markdown(rows)
     assert "| `full` | suite | 0.0 | 0.20x | — | 1.300 | 1.30x | — |" in table
     assert "| 1.020 | 1.02x~ |" in table and "~: within noise" in table
+
+
+def test_ratios_of_one_repetition_say_so_instead_of_passing_for_measured_differences():
+    """One repetition has no spread to tell noise from a difference: its ratios are marked, with a footnote."""
+    rows = [
+        bench.Row("off", "suite", 100, 1.00, 0.0),  # --reps 1: no spread
+        bench.Row("full", "suite", 20, 1.30, 0.0),
+        bench.Row("every_2", "suite", 60, 1.02, 0.0, step_time_spread=0.01),  # measured twice, against a single off
+    ]
+    table = bench.results_markdown(rows)
+    assert "| 1.000 | 1.00x | — |" in table, "a row against itself is no comparison"
+    assert "| 1.300 | 1.30x¹ | — |" in table and "| 1.020 | 1.02x¹ | — |" in table
+    assert "¹: one repetition" in table and "~" not in table
+
+
+def test_results_of_layer_offloading_modes_alone_have_no_empty_main_table():
+    rows = [
+        bench.Row("lora_full", "suite", None, 1.0, 0.0, step_time_spread=0.1),
+        bench.Row("layer_offload", "suite", None, 1.2, 0.0, step_time_spread=0.1),
+    ]
+    table = bench.results_markdown(rows)
+    assert "vs hf_native_full" not in table, "the main table has no row"
+    assert table.startswith("Layer offloading") and "| `layer_offload` | 0 |" in table
 
 
 def test_labels_of_points_that_sit_together_are_kept_apart_and_led_to_their_points():

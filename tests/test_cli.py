@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -52,6 +53,72 @@ def test_default_run_trains_and_writes_summary(tmp_path):
     assert data["peak_memory_bytes"] > 0 and data["peak_activation_bytes"] > 0
     assert data["step_time_s"] > 0
     assert "loss" in result.stdout + result.stderr
+    corpus = re.search(r"corpus: (\d+) characters, the docstrings of a fixed list of (\S+ \S+)'s", result.stdout)
+    assert corpus and corpus[2] == f"{platform.python_implementation()} {platform.python_version()}"
+
+
+def _corpus_digest(setup: str) -> str:
+    """The main job's corpus, as its data loader reads it, in a fresh process that first runs ``setup``."""
+    code = (
+        f"import hashlib, sys; sys.path.insert(0, 'examples'); {setup}; import lm; text = lm.corpus_text(); "
+        "print(len(text), hashlib.sha256(text.encode()).hexdigest())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split("\n")[-2]
+
+
+def test_the_corpus_is_the_same_whatever_the_process_imported_or_replaced():
+    """The loss reproduces across installs only if the text does: it is a function of the Python version alone, not
+    of the submodules other libraries import (dir() of a package lists them) or the functions they replace."""
+    alone = _corpus_digest("pass")
+    crowded = _corpus_digest(
+        "import transformers, peft, hydra, matplotlib.pyplot, lightning_ac, email.mime.text, logging.handlers, "
+        "unittest.mock, http.cookiejar, xml.dom.minidom; import asyncio; asyncio.run = lambda main, debug=None: None"
+    )
+    assert alone == crowded
+    assert int(alone.split()[0]) > 8 * 256 * 100, "100 steps of 8 x 256 bytes read each chunk at most once"
+
+
+def test_progress_off_a_terminal_is_a_line_a_step_with_the_time_left(tmp_path):
+    """Without a terminal (a log, CI, this test) Lightning's progress bar prints nothing readable: the job logs a
+    line every step, whatever print_every says, with the time a step takes and the time left."""
+    output = "".join(ok(train(tmp_path, "print_every=10")).stdout)
+    lines = re.findall(r"step +(\d+)/4  loss \d+\.\d{4}  \d+\.\d\d s a step, (\d+) s left", output)
+    assert [int(step) for step, _ in lines] == [1, 2, 3, 4], output[-2000:]
+    assert lines[-1][1] == "0"
+    assert "train.log" in os.listdir(tmp_path / "run") and "step    2/4" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.slow  # a second run of the job; the choice itself is checked in-process below
+def test_progress_bar_is_lightnings(tmp_path):
+    result = ok(train(tmp_path, "progress=bar"))
+    assert "Epoch 0" in result.stdout, "Lightning's progress bar (it draws itself even off a terminal)"
+    assert " s left" not in result.stdout
+
+
+def test_progress_auto_is_the_bar_on_a_terminal_and_lines_elsewhere():
+    """Where stdout (Lightning's bar's stream) is a terminal, auto is the bar; piped, it is lines."""
+    # in processes of their own: importing the job sets its warning filters and puts examples/ on the path
+    code = (
+        "import sys; sys.path.insert(0, 'examples'); from train import progress_mode as p; "
+        "print(p('auto'), p(' Lines '), p('bar'), flush=True)"
+    )
+    cmd, env = [sys.executable, "-c", code], {**os.environ, "PYTHONPATH": str(ROOT)}
+    piped = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert piped.stdout.split() == ["lines", "lines", "bar"]
+    pty = pytest.importorskip("pty")
+    leader, follower = pty.openpty()
+    try:
+        on_terminal = subprocess.run(cmd, cwd=ROOT, env=env, stdout=follower, stderr=subprocess.PIPE, timeout=300)
+        assert on_terminal.returncode == 0, on_terminal.stderr[-3000:]
+        assert os.read(leader, 1000).decode().split() == ["bar", "lines", "bar"]
+    finally:
+        os.close(leader)
+        os.close(follower)
 
 
 @pytest.mark.parametrize(
@@ -226,6 +293,12 @@ def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
         (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
+        (["progress=maybe"], ["progress: expected auto, bar or lines, got 'maybe'"]),
+        pytest.param(
+            ["+trainer.enable_progress_bar=true"],
+            ["trainer.enable_progress_bar=True: the job's progress key chooses it. Set progress=bar"],
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             ["offload_verify_steps=-1"],
             ["offload_verify_steps: expected an integer >= 0, got -1"],

@@ -551,10 +551,12 @@ def _ratio(value: Optional[float], base: Optional[float]) -> str:
 
 def _time_ratio(row: Row, base: Optional[Row]) -> str:
     """A step-time ratio, marked ``~`` when the repetitions of either row spread by more than the difference
-    the ratio reports: noise decided it."""
+    the ratio reports (noise decided it), and ``¹`` when either row ran one repetition (no spread to tell)."""
     text = _ratio(row.step_time_s, base and base.step_time_s)
     if base is None or row is base or row.step_time_s is None or not base.step_time_s:
         return text
+    if row.step_time_spread is None or base.step_time_spread is None:  # one repetition: no spread was measured
+        return f"{text}{ONE_REPETITION}"
     difference = abs(row.step_time_s / base.step_time_s - 1)
     spread = max(row.step_time_spread or 0.0, base.step_time_spread or 0.0)
     return f"{text}~" if spread > difference else text
@@ -563,6 +565,11 @@ def _time_ratio(row: Row, base: Optional[Row]) -> str:
 NOISE_NOTE = (
     "~: within noise: the repetitions' median steps of this mode or of the mode it is compared with spread by more "
     "than the difference the ratio shows (rerun on a quieter machine, or with more --reps)."
+)
+ONE_REPETITION = "¹"
+ONE_REPETITION_NOTE = (
+    f"{ONE_REPETITION}: one repetition: this mode or the mode it is compared with ran once, so no spread tells whether "
+    "noise decided the ratio (rerun with --reps 2 or more)."
 )
 
 
@@ -578,6 +585,8 @@ def results_markdown(rows: List[Row]) -> str:
         "| step (s) | vs off | vs hf_native_full | max grad diff |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if not rows:  # only layer-offloading or compiled modes ran: their own tables, no empty one above them
+        lines = []
     for r in rows:
         mib = f"{r.peak_activation_bytes / 2**20:.1f}" if r.peak_activation_bytes is not None else "—"
         step, diff = _step_and_diff(r)
@@ -587,10 +596,12 @@ def results_markdown(rows: List[Row]) -> str:
             f"{_time_ratio(r, off)} | {_time_ratio(r, hf)} | {diff} |"
         )
     budgets = [r for r in rows if r.mode in BUDGET_MODES]
-    text = "\n".join(lines) + "\n" + (_budget_markdown(budgets, rows) if budgets else "")
+    text = ("\n".join(lines) + "\n" if lines else "") + (_budget_markdown(budgets, rows) if budgets else "")
     text += _compiled_markdown(compiled, by.get("full")) if compiled else ""
     text += _layer_offload_markdown(offloaded) if offloaded else ""
-    return text + ("\n" + NOISE_NOTE + "\n" if "x~ |" in text else "")
+    text = text.removeprefix("\n")  # a table that follows none starts the text
+    notes = [note for mark, note in (("~", NOISE_NOTE), (ONE_REPETITION, ONE_REPETITION_NOTE)) if f"x{mark} |" in text]
+    return text + "".join(f"\n{note}\n" for note in notes)
 
 
 def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:
