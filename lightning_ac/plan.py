@@ -213,9 +213,9 @@ class Plan:
         cfg, request = self.config, self.activation_offload_request
         targets = request.offload.targets if request is not None and self._offload_here else []
         layer_offloading = self.layer_offload_request is not None
-        budget = cfg.budget is not None
+        budget, chunked = cfg.budget is not None, cfg.chunked_loss is not None
         selfcheck.ensure(
-            selfcheck.features_of(cfg.enabled, cfg.selective is not None, targets, layer_offloading, budget)
+            selfcheck.features_of(cfg.enabled, cfg.selective is not None, targets, layer_offloading, budget, chunked)
         )
 
     def _resolve_reentrant(self, trainer: pl.Trainer) -> None:

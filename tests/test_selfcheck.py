@@ -232,6 +232,42 @@ def _mem_tracker_measures_nothing(monkeypatch):
     monkeypatch.setattr(MemTracker, "_update_snap", lambda self, *args, **kwargs: None)
 
 
+def _loss_computed_inline(monkeypatch):
+    """A causal LM's forward computes its loss itself, not through ``self.loss_function``."""
+    from transformers import LlamaForCausalLM
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+
+
+def _loss_smooths_labels(monkeypatch):
+    """transformers' causal-LM loss takes another cross-entropy (label smoothing) than the chunks reproduce."""
+    from transformers.loss import loss_utils
+
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def smoothed(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        return cross_entropy(source, target, ignore_index=ignore_index, label_smoothing=0.1)
+
+    monkeypatch.setattr(loss_utils, "fixed_cross_entropy", smoothed)
+
+
+def _loss_takes_other_arguments(monkeypatch):
+    """transformers' causal-LM loss renames what the chunks read from its calls."""
+    from transformers.loss import loss_utils
+
+    def renamed(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, labels_shifted=None, **kw):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(loss_utils, "ForCausalLMLoss", renamed)
+
+
 needs_respect_hooks = pytest.mark.skipif(
     not CHECKPOINT_TAKES_RESPECT_HOOKS, reason="this torch always keeps SAC's saves out of saved-tensor hooks"
 )
@@ -275,6 +311,9 @@ BROKEN = [
     ("budget", _outer_hooks_gone, r"AttributeError: .*_top_saved_tensors_default_hooks"),
     ("budget", _layers_checkpoint_by_themselves, r"no longer run through the budget's checkpoint functions"),
     ("budget", _mem_tracker_measures_nothing, r"MemTracker measured no activation peak"),
+    ("chunked_loss", _loss_computed_inline, r"refused transformers' own LlamaForCausalLM: .*does not call"),
+    ("chunked_loss", _loss_smooths_labels, r"the chunked loss changed the loss"),
+    ("chunked_loss", _loss_takes_other_arguments, r"ForCausalLMLoss no longer takes shift_labels"),
 ]
 
 
@@ -304,7 +343,8 @@ def test_a_broken_private_behaviour_fails_the_check_naming_feature_release_and_f
     with pytest.raises(IncompatibleReleaseError, match=found) as raised:
         selfcheck.run_check(feature)
     message = str(raised.value)
-    package = "lightning" if feature == "callbacks" else "torch"  # hidden_states' transformers side is named too
+    # hidden_states' transformers side is named too
+    package = {"callbacks": "lightning", "chunked_loss": "transformers"}.get(feature, "torch")
     assert f"{feature} does not work with" in message
     assert f"{package} {_compat.installed_release(package)}" in message, "names the release"
     assert "(tested: " in message and "a bug of lightning_ac on a tested release: please report it" in message
@@ -380,10 +420,10 @@ def test_features_of_a_plan():
         "offload.selective",
         "layer_offloading",
     ]
-    assert set(selfcheck.features_of(True, True, ["hidden_states", "selective", "all"], True, budget=True)) == set(
-        selfcheck.FEATURES
-    )
+    everything = selfcheck.features_of(True, True, ["hidden_states", "selective", "all"], True, True, True)
+    assert set(everything) == set(selfcheck.FEATURES)
     assert "budget" in selfcheck.features_of(True, False, [], False, budget=True)
+    assert selfcheck.features_of(False, False, [], False, chunked_loss=True) == ["callbacks", "chunked_loss"]
     assert "budget" not in selfcheck.features_of(False, False, [], False, budget=True), "nothing is recomputed"
 
 
@@ -556,6 +596,15 @@ def test_a_memory_budget_on_an_untested_release_checks_itself(monkeypatch):
     with pytest.raises(IncompatibleReleaseError, match=rf"budget does not work with torch {UNTESTED_TORCH}"):
         fit(clone(tiny_model("llama")), [ActivationCheckpointing(budget="1GiB")])
     assert runs == ["activation_checkpointing", "budget"]
+
+
+def test_a_chunked_loss_on_an_untested_transformers_checks_itself(monkeypatch):
+    _pretend(monkeypatch, transformers="6.0.0")
+    _loss_smooths_labels(monkeypatch)
+    runs = _record_runs(monkeypatch)
+    with pytest.raises(IncompatibleReleaseError, match="chunked_loss does not work with transformers 6.0.0"):
+        fit(clone(tiny_model("llama")), [ActivationCheckpointing(enabled=False, chunked_loss=True)])
+    assert runs == ["chunked_loss"]
 
 
 # -- what a check does not blame on the release --------------------------------------------------------------------

@@ -53,7 +53,12 @@ _passed: Dict[Tuple[str, FrozenSet[str]], float] = {}
 
 
 def features_of(
-    enabled: bool, selective: bool, offload_targets: Sequence[str], layer_offloading: bool, budget: bool = False
+    enabled: bool,
+    selective: bool,
+    offload_targets: Sequence[str],
+    layer_offloading: bool,
+    budget: bool = False,
+    chunked_loss: bool = False,
 ) -> List[str]:
     """The self-checked features a plan applies.
 
@@ -63,6 +68,7 @@ def features_of(
         offload_targets: The activation-offload targets in force (``hidden_states``, ``selective``, ``all``).
         layer_offloading: Whether frozen layer weights are streamed.
         budget: Whether a memory budget chooses what each layer does.
+        chunked_loss: Whether the loss is computed in chunks.
     """
     found = ["callbacks"]
     found += ["activation_checkpointing"] if enabled else []
@@ -70,6 +76,7 @@ def features_of(
     found += [f"offload.{target}" for target in offload_targets]
     found += ["layer_offloading"] if layer_offloading else []
     found += ["budget"] if enabled and budget else []
+    found += ["chunked_loss"] if chunked_loss else []
     return found
 
 

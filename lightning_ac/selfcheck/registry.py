@@ -14,6 +14,7 @@ from lightning_ac.selfcheck.checks import (
     check_offload_selective,
     check_selective,
 )
+from lightning_ac.selfcheck.loss_check import check_chunked_loss
 
 __all__ = ["CHECKS", "FEATURES", "Check", "register"]
 
@@ -64,6 +65,13 @@ CHECKS: Dict[str, Check] = {
         "remove activation_checkpointing.budget",
         check_budget,
         "ran the memory budget's measuring step on a two-layer toy model and trained it one step without the budget",
+    ),
+    # transformers only: its causal LMs' forward and loss are what the chunks stand in for
+    "chunked_loss": Check(
+        ("transformers",),
+        "activation_checkpointing.chunked_loss: false",
+        check_chunked_loss,
+        "trained a two-layer toy model one step with its loss in one chunk and without it",
     ),
 }
 
