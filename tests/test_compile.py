@@ -7,6 +7,7 @@ as traced, so gradients compare bit for bit with the same compiled model without
 
 from __future__ import annotations
 
+import re
 from typing import List, Tuple
 
 import lightning.pytorch as pl
@@ -22,6 +23,7 @@ from lightning_ac import (
     ActivationCheckpointing,
     ActivationOffload,
     ConfigError,
+    LayerOffload,
     register_mandatory_save,
     register_preferred_save,
 )
@@ -419,5 +421,141 @@ def test_offload_hidden_states_under_a_compiled_model_is_refused_before_training
     callbacks = [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)]
     field = "offload.hidden_states"
     with pytest.raises(ConfigError, match=rf"activation_checkpointing\.{field}: .*compiled with torch\.compile"):
+        make_trainer(callbacks).fit(module, batches())
+    assert not recorder.graphs, "nothing was traced"
+
+
+# -- every route into a compiled region: Lightning's, a compiled forward, a compiled class forward ----------------
+
+LIGHTNING_ROUTE = "fit(torch.compile(module))"  # Lightning's documented way: it compiles the step methods in place
+# the plain routes, and the backward matmuls of one graph of the 2-layer model without recompute / fully recomputed
+ROUTES = {LIGHTNING_ROUTE: (30, 43), "model.forward": (30, 43), "layer.forward": (14, 20)}
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_model("llama", num_hidden_layers=2)
+
+
+def compiled_by(route: str, base: torch.nn.Module, recorder: GraphRecorder) -> Tuple[object, GraphLM]:
+    """A copy of ``base`` compiled by ``route`` with ``recorder``: what to hand ``trainer.fit``, and its
+    LightningModule."""
+    torch._dynamo.reset()
+    model = clone(base)
+    if route == "layer.forward":  # transformers' docs' pattern, per layer
+        for layer in model.model.layers:
+            layer.forward = recorder.compile(layer.forward)
+    elif route == "model.forward":
+        model.forward = recorder.compile(model.forward)
+    elif route == "class forward":  # a layer class whose forward is compiled
+        compiled_forward = torch.compile(type(model.model.layers[0]).forward, **recorder.options)
+        cls = type("CompiledForwardLayer", (type(model.model.layers[0]),), {"forward": compiled_forward})
+        for layer in model.model.layers:
+            layer.__class__ = cls
+    module = GraphLM(model)
+    return (recorder.compile(module) if route == LIGHTNING_ROUTE else module), module
+
+
+def fit_route(route, base, callbacks, max_steps=2) -> Tuple[GraphLM, GraphRecorder]:
+    recorder = GraphRecorder()
+    given, module = compiled_by(route, base, recorder)
+    make_trainer(callbacks, max_steps=max_steps).fit(given, batches())
+    return module, recorder
+
+
+@pytest.fixture(scope="module")
+def plain_route(small):
+    """The 2-layer model compiled by each route without the suite, trained (two steps) when first asked for."""
+    trained = {}
+
+    def get(route):
+        if route not in trained:
+            trained[route] = fit_route(route, small, [])
+        return trained[route]
+
+    return get
+
+
+# how the refusals name each route
+SAID = {
+    LIGHTNING_ROUTE: "trainer.fit(torch.compile(lightning_module))",
+    "model.forward": "model.forward = torch.compile(model.forward)",
+    "layer.forward": "layer.forward = torch.compile(layer.forward)",
+    "class forward": "a compiled forward in class CompiledForwardLayer",
+}
+REFUSED = {
+    "activation_checkpointing.budget": lambda: [ActivationCheckpointing(budget="1MiB")],
+    "layer_offloading": lambda: [LayerOffload(copy_on_host=True)],
+    # under a compiled model, and where transformers' checkpoint wraps a forward compiled in the layer class (it
+    # checkpoints inside that forward too); it works around the compiled call of a layer compiled by itself (below)
+    "activation_checkpointing.offload.hidden_states": lambda: [
+        ActivationCheckpointing(),
+        ActivationOffload(hidden_states="cpu", copy_on_host=True),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "route, field",
+    [
+        (route, field)
+        for route in SAID
+        for field in REFUSED
+        if not (field.endswith("hidden_states") and route == "layer.forward")
+    ],
+)
+def test_every_compile_route_is_seen_and_gets_the_compile_rules(small, route, field):
+    # before, these ran the layers eagerly, uncompiled, without a word (budget, offload.hidden_states) or crashed in
+    # the compiler (layer offloading)
+    recorder = GraphRecorder()
+    given, module = compiled_by(route, small, recorder)
+    for name, parameter in module.named_parameters():
+        parameter.requires_grad_("self_attn" in name)  # frozen weights for layer offloading to stream
+    match = rf"{re.escape(field)}: .*compiled with torch\.compile \({re.escape(SAID[route])}"
+    with pytest.raises(ConfigError, match=match):
+        make_trainer(REFUSED[field]()).fit(given, batches())
+    assert not recorder.graphs, "nothing was traced"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("selective", [None, {"save": ["aten::mm"]}], ids=["full", "save_mm"])
+def test_every_compile_route_recomputes_inside_the_graphs(small, plain_route, route, selective):
+    # before, selective crashed inside dynamo on these routes (the eager policy inside the compiled region)
+    reference, reference_graphs = plain_route(route)
+    plain_mm, full_mm = ROUTES[route]
+    assert set(reference_graphs.ops("backward", MM)) == {plain_mm}
+    run, graphs = fit_route(route, small, [ActivationCheckpointing(selective=selective)])
+    assert set(graphs.ops("backward", MM)) == {full_mm if selective is None else plain_mm}
+    assert run.losses == reference.losses
+    assert_same_grads(reference, run)
+
+
+def test_offload_hidden_states_moves_the_inputs_around_each_compiled_layer_forward(small, plain_route, caplog):
+    # layer.forward = torch.compile(layer.forward) holds transformers' checkpoint: the inputs move around that call
+    reference, _ = plain_route("layer.forward")
+    offload = ActivationOffload(hidden_states="cpu", copy_on_host=True)
+    run, graphs = fit_route("layer.forward", small, [ActivationCheckpointing(), offload])
+    assert set(graphs.ops("backward", MM)) == {ROUTES["layer.forward"][1]}, "the layers ran compiled"
+    assert offload.last_step["hidden_states"] == {"tensors": 2, "bytes": 2 * 64 * 64 * 4}
+    assert any("(compiled decoder layers: 2, their inputs moved" in m for m in caplog.messages)
+    assert run.losses == reference.losses
+    assert_same_grads(reference, run)
+
+
+@pytest.mark.parametrize("route", ["torch.compile(layer), selected by name", "layer.forward, torch engine"])
+def test_selective_is_refused_where_the_checkpoint_wraps_a_compiled_call_from_outside(small, route):
+    # the policy, a dispatch mode around the compiled call, made dynamo run the layers eagerly (a compiled forward
+    # under the torch engine) or failed in backward (the torchtitan wrapper selected by name)
+    recorder = GraphRecorder()
+    if route.startswith("layer.forward"):
+        module = compiled_by("layer.forward", small, recorder)[1]
+    else:
+        torch._dynamo.reset()
+        module = GraphLM(clone(small))
+        for i, layer in enumerate(module.model.model.layers):
+            module.model.model.layers[i] = recorder.compile(layer)
+    callbacks = [ActivationCheckpointing(layers=["model.model.layers.?"], selective={"save": ["aten::mm"]})]
+    match = r"activation_checkpointing\.selective: .*wraps their compiled call from outside"
+    with pytest.raises(ConfigError, match=match):
         make_trainer(callbacks).fit(module, batches())
     assert not recorder.graphs, "nothing was traced"
