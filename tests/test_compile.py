@@ -258,6 +258,38 @@ def test_the_applied_line_and_the_report_say_the_rules_apply_when_traced(base, c
     assert described == ["attention, compiled: decided when traced"] * 4
 
 
+UNKNOWN_OP = {"save": ["aten::mm", "aten::no_such_op"]}
+UNKNOWN_SAID = ["'aten::no_such_op' matched no op in the traced graphs"]
+
+
+@pytest.mark.parametrize(
+    "where, rules, backward_mm, said",
+    [
+        ("layer", UNKNOWN_OP, 14, UNKNOWN_SAID),
+        ("model", UNKNOWN_OP, 30, UNKNOWN_SAID),
+        ("layer", {"save": [], "save_matmul_min_k": 64}, 14, []),
+        ("layer", {"save": [], "save_matmul_min_k": 4096}, 20, ["no matmul reached K >= 4096 (largest K seen: 128)"]),
+    ],
+)
+def test_the_diagnostics_count_the_rules_when_traced(small, where, rules, backward_mm, said):
+    # before, working rules (save: [aten::mm], save_matmul_min_k: 64: 20 -> 14 backward matmuls a layer) "matched no
+    # op in 0 checkpointed regions" or "saved nothing": nothing was counted under compile. Tracing tells which rules
+    # match an op, not which saves a recompute replays: no rule is said never replayed there.
+    problems = []
+
+    class Problems(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            problems.extend(checkpointing.plan.selective.problems())
+
+    checkpointing = ActivationCheckpointing(selective=rules)
+    recorder = GraphRecorder()
+    fit(compiled(small, recorder, where), [checkpointing, Problems()], max_steps=1, module_cls=GraphLM)
+    assert set(recorder.ops("backward", MM)) == {backward_mm}
+    assert len(problems) == len(said), problems
+    for problem, expected in zip(problems, said):
+        assert expected in problem
+
+
 @pytest.mark.parametrize("where", ["layer", "model"])
 def test_the_model_is_left_as_found(base, where):
     recorder = GraphRecorder()
