@@ -124,7 +124,7 @@ class Plan:
         self._trainer: Any = None
         self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
-        self._compiled_note = ""  # what compiled decoder layers change, for the applied line
+        self._compiled_note = ""  # what compiling changes, for the applied line's compiled part
         self._inputs_around_compiled = 0  # compiled layers whose inputs offload.hidden_states moves around the call
 
     @property
@@ -477,12 +477,10 @@ class Plan:
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
         if found.above or compiled:
-            self._compiled_note = (
-                "compiled: recomputed inside the graphs, where the partitioner keeps attention's outputs"
-            )
+            self._compiled_note = "recomputed inside the graphs, where the partitioner keeps attention's outputs"
         elif found.layers:  # the checkpoint wraps each compiled call from outside
             self._compiled_note = (
-                "compiled: each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
+                "each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
             )
         if hidden_states is not None:
             for index, call in compiled.items():
@@ -640,10 +638,11 @@ class Plan:
             if cfg.selective.save_matmul_min_k:
                 saves.append(f"matmuls with K >= {cfg.selective.save_matmul_min_k}")
             parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
-            if self.selective is not None and self.selective.compiled:
-                parts.append("compiled: the save rules apply when the graph is traced, without per-rule diagnostics")
-        if self._compiled_note:
-            parts.append(self._compiled_note)
+        compiled = [self._compiled_note] if self._compiled_note else []
+        if self.selective is not None and self.selective.compiled:
+            compiled.append("the save rules apply when the graphs are traced (no warning about saves never replayed)")
+        if compiled:
+            parts.append("compiled: " + "; ".join(compiled))
         return ", ".join(parts)
 
     # -- report ---------------------------------------------------------------------------------------------
