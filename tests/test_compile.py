@@ -636,3 +636,16 @@ def test_gradients_at_more_than_one_length(small, where, seq):
     for name, grad in reference.grads.items():
         difference = (run.grads[name] - grad).abs().max()
         assert difference <= WHOLE_MODEL_RTOL * grad.abs().max(), name
+
+
+def test_a_compiled_output_head_compiles_once_the_budget_stops_measuring(small):
+    # the decoder layers stay eager (a compiled layer is refused with a budget); the output head is compiled. On a
+    # CPU trainer the budget measures its steps with MemTracker, a dispatch mode, under which dynamo skipped the
+    # head's frame for good: it never compiled. It runs eagerly while measured and compiles after.
+    torch._dynamo.reset()
+    recorder, model = GraphRecorder(), clone(small)
+    model.lm_head = recorder.compile(model.lm_head)
+    checkpointing = ActivationCheckpointing(budget="1MiB")
+    fit(model, [checkpointing], max_steps=4, module_cls=GraphLM)
+    assert checkpointing.budget_plan is not None and checkpointing.budget_plan["settled"]
+    assert (recorder.ops("forward", MM), recorder.ops("backward", MM)) == ([1], [2]), "the head compiled, once"
