@@ -12,16 +12,18 @@ from __future__ import annotations
 import fnmatch
 import importlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
 __all__ = [
+    "CompiledModules",
     "DecoderLayers",
     "LayerSpec",
+    "compiled_function",
     "compiled_layers",
-    "describe_compiled",
     "find_decoder_layers",
+    "how_compiled",
     "layer_class",
     "transformers_models",
 ]
@@ -90,42 +92,102 @@ class DecoderLayers:
         return [h for h in heads if h is not None]
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)`` (an OptimizedModule) or ``module.compile()``."""
-    compiled_module = type(module).__name__ == "OptimizedModule" or hasattr(module, "_orig_mod")
-    return compiled_module or getattr(module, "_compiled_call_impl", None) is not None
+def compiled_function(fn: Any) -> bool:
+    """Whether calling ``fn`` runs ``torch.compile``'s code: ``fn`` is what ``torch.compile`` returned for a function
+    or a method (``model.forward = torch.compile(model.forward)``, ``@torch.compile`` on a method), or wraps one
+    (``functools.wraps`` wrappers, bound methods of one). ``torch.compiler.disable``'s wrappers do not count."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)  # a bound method: its function
+        # torch.compile's wrapper carries its own id; a functools.wraps copy of its attributes carries another's
+        if getattr(fn, "_torchdynamo_wrapper_id", None) == id(fn) and not getattr(fn, "_torchdynamo_disable", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
-def compiled_layers(root: nn.Module, layers: DecoderLayers) -> Tuple[List[int], List[str]]:
-    """What ``torch.compile`` wraps around the decoder layers of ``root``.
+# How a module can be compiled, as the messages name it (:func:`how_compiled`; ``{m}`` is the module's noun).
+_WRAPPER = "torch.compile({m})"
+_IN_PLACE = "{m}.compile()"
+_LIGHTNING = "trainer.fit(torch.compile(lightning_module)), which Lightning turns into a compiled training_step"
+# The methods whose compiled version puts the module's calls inside a compiled region (training_step: the
+# LightningModule's, which Lightning's trainer calls).
+_COMPILED_METHODS = ("forward", "training_step")
 
-    Returns:
-        The indices of compiled layers (compiled themselves, or replaced by a compiled wrapper, torchtitan's
-        way: ``layers[i] = torch.compile(layers[i])``), and the names of compiled modules above them (the whole
-        model: ``torch.compile(model)``, ``model.compile()``; ``""`` is ``root`` itself).
+
+def how_compiled(module: nn.Module, noun: str = "module") -> Optional[str]:
+    """How ``module`` is compiled, so that what it calls runs inside a compiled region, as a message says it (``noun``
+    names the module there); ``None`` when it is not.
+
+    The routes: ``torch.compile(module)`` (an ``OptimizedModule``), ``module.compile()``, Lightning's
+    ``trainer.fit(torch.compile(lightning_module))`` (Lightning unwraps the ``OptimizedModule`` and compiles the
+    LightningModule's step methods in place, leaving ``_compiler_ctx``), a compiled ``forward`` or ``training_step``
+    on the instance (``model.forward = torch.compile(model.forward)``, as transformers' docs do) or in its class.
     """
-    indices, above = [], []
+    if type(module).__name__ == "OptimizedModule" or hasattr(module, "_orig_mod"):
+        return _WRAPPER.format(m=noun)
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return _IN_PLACE.format(m=noun)
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return _LIGHTNING
+    for method in _COMPILED_METHODS:
+        if compiled_function(module.__dict__.get(method)):
+            return f"{noun}.{method} = torch.compile({noun}.{method})"
+        if compiled_function(getattr(type(module), method, None)):
+            return f"a compiled {method} in class {type(module).__name__}"
+    return None
+
+
+@dataclass
+class CompiledModules:
+    """What ``torch.compile`` wraps around the decoder layers of a module (:func:`compiled_layers`).
+
+    Attributes:
+        layers: The decoder layers compiled by themselves, by index: how (:func:`how_compiled`; a layer that a
+            ``torch.compile`` wrapper holds, torchtitan's ``layers[i] = torch.compile(layers[i])``, counts).
+        above: The compiled modules above the layers, by qualified name (``""`` is the root): how.
+    """
+
+    layers: Dict[int, str] = field(default_factory=dict)
+    above: Dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers or self.above)
+
+    def describe(self) -> Optional[str]:
+        """What was found, as an error message's subject; ``None`` when nothing is compiled."""
+        if self.above:
+            names = ", ".join(repr(name) if name else "the module given to the Trainer" for name in self.above)
+            routes = "; ".join(dict.fromkeys(self.above.values()))
+            return f"the model around the decoder layers ({names}) is compiled with torch.compile ({routes})"
+        if self.layers:
+            routes = "; ".join(dict.fromkeys(self.layers.values()))
+            return f"decoder layers {list(self.layers)} are compiled with torch.compile ({routes})"
+        return None
+
+
+def compiled_layers(root: nn.Module, layers: DecoderLayers) -> CompiledModules:
+    """What ``torch.compile`` wraps around the decoder layers of ``root``: the layers compiled by themselves (or
+    replaced by a compiled wrapper, torchtitan's way: ``layers[i] = torch.compile(layers[i])``), and the compiled
+    modules above them (the whole model: ``torch.compile(model)``, ``model.compile()``, a compiled ``model.forward``;
+    the LightningModule compiled by Lightning: ``trainer.fit(torch.compile(module))``), by every route
+    :func:`how_compiled` knows."""
+    found = CompiledModules()
     for index, (name, layer) in enumerate(layers.layers):
         parts = name.split(".") if name else []
         if parts and parts[-1] == "_orig_mod":  # the layer is the inside of a per-layer compiled wrapper
             parts = parts[:-1]
-        if _is_compiled(layer) or _is_compiled(root.get_submodule(".".join(parts))):
-            indices.append(index)
+        how = how_compiled(layer, "layer") or how_compiled(root.get_submodule(".".join(parts)), "layer")
+        if how is not None:
+            found.layers[index] = how
         for depth in range(len(parts)):
             prefix = ".".join(parts[:depth])
-            if prefix not in above and _is_compiled(root.get_submodule(prefix)):
-                above.append(prefix)
-    return indices, above
-
-
-def describe_compiled(indices: Sequence[int], above: Sequence[str]) -> Optional[str]:
-    """What :func:`compiled_layers` found, as an error message's subject; ``None`` when nothing is compiled."""
-    if above:
-        names = ", ".join(repr(name) if name else "the module given to the Trainer" for name in above)
-        return f"the model around the decoder layers ({names}) is compiled with torch.compile"
-    if indices:
-        return f"decoder layers {list(indices)} are compiled with torch.compile"
-    return None
+            if prefix not in found.above:
+                how = how_compiled(root.get_submodule(prefix), "model")
+                if how is not None:
+                    found.above[prefix] = how
+    return found
 
 
 def _hf_classes():

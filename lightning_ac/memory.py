@@ -5,7 +5,10 @@ torch's ``MemTracker``, which attributes every allocation to a category (paramet
 activation, temporary); the activation peak is the most that activations and temporaries held together at any moment
 of the step. (MemTracker's own "peak" snapshot is taken where the step's *total* memory peaks: when gradients and
 optimizer state dominate, as in the first step after validation, whose gradients start as None, that moment can come
-after most activations are freed, and it read half the activation peak.) MemTracker slows the step it watches.
+after most activations are freed, and it read half the activation peak.) MemTracker slows the step it watches, and,
+a dispatch mode, it would make dynamo skip the frame of any compiled module the step runs (an output head compiled by
+itself) for good, so that it never compiled: compiled code runs eagerly while MemTracker watches (``force_eager``), and
+compiles once the measurement ends.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class _StepMeasurement:
         self.inside_forward = inside_forward
         self.modules, self.optimizers = modules, optimizers
         self._tracker: Any = None
+        self._eager: Any = None  # the compiler's stance while MemTracker watches
         self._baseline = 0
         self._earlier = 0  # the peak before restart_peak
         self._held = 0  # bytes that existed before the measurement started and stay through it
@@ -65,7 +69,13 @@ class _StepMeasurement:
         else:
             self._tracker = _tracker_class()(self.inside_forward)
             self._tracker.track_external(*self.modules, *self.optimizers)
-            self._tracker.__enter__()
+            self._eager = torch.compiler.set_stance("force_eager")  # set at once; its __exit__ puts the last back
+            try:
+                self._tracker.__enter__()
+            except BaseException:
+                self._eager, eager = None, self._eager
+                eager.__exit__(None, None, None)
+                raise
         return self
 
     def add_held(self, nbytes: int) -> None:
@@ -99,7 +109,11 @@ class _StepMeasurement:
             self.result = MemoryPeak(max(peak, self._baseline + self._earlier), activation, "cuda_allocator")
             return
         tracker, self._tracker = self._tracker, None
-        tracker.__exit__(*exc)
+        eager, self._eager = self._eager, None
+        try:
+            tracker.__exit__(*exc)
+        finally:
+            eager.__exit__(None, None, None)
         if exc[0] is not None:
             return
         activation = max(_activation_peak(tracker) + self._held, self._earlier)

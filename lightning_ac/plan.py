@@ -38,15 +38,20 @@ from lightning_ac.config import (
 )
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import (
+    CompiledModules,
     DecoderLayers,
     compiled_layers,
-    describe_compiled,
     find_decoder_layers,
     transformers_models,
 )
 from lightning_ac.loss import ChunkedLoss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
-from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES, compiled_call, offload_inputs_of_compiled_layer
+from lightning_ac.offload.compiled import (
+    COMPILED_CALL_ATTRIBUTES,
+    checkpointed_inside_too,
+    compiled_call,
+    offload_inputs_of_compiled_layer,
+)
 from lightning_ac.offload.device import format_bytes
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
 from lightning_ac.report import LayerRow
@@ -121,7 +126,7 @@ class Plan:
         self._trainer: Any = None
         self._stage = "fit"
         self._engine = ""  # the recompute engine in force: hf, torch or fsdp
-        self._compiled_note = ""  # what compiled decoder layers change, for the applied line
+        self._compiled_note = ""  # what compiling changes, for the applied line's compiled part
         self._inputs_around_compiled = 0  # compiled layers whose inputs offload.hidden_states moves around the call
 
     @property
@@ -444,8 +449,18 @@ class Plan:
         assert self.module is not None
         cfg = self.config
         modules = layers.modules
-        indices, above = compiled_layers(self.module, layers)
-        self._check_compiled(indices, above)
+        # the recompute engine: transformers' own; else (plain torch layers, or implementation: fsdp) torch's
+        # non-reentrant checkpoint around each layer's forward, outside transformers (FSDP2's hooks stay outside)
+        if layers.hf_models and cfg.implementation == "hf":
+            self._engine = "hf"
+        else:
+            self._engine = "fsdp" if cfg.implementation == "fsdp" else "torch"
+        found = compiled_layers(self.module, layers)
+        # layers whose checkpoint call is inside a compiled graph of their own, and where eager code calls it
+        calls = {i: compiled_call(self.module, *layers.layers[i], self._engine) for i in found.layers}
+        compiled = {i: call for i, call in calls.items() if call is not None}
+        outside = [i for i, call in calls.items() if call is None]
+        self._check_compiled(found, outside, [i for i in outside if checkpointed_inside_too(modules[i], self._engine)])
         context_fn: Optional[Callable[[], Any]] = None
         if cfg.selective is not None:
             storage = self.activation_offload.sac_storage if self.activation_offload is not None else None
@@ -455,10 +470,6 @@ class Plan:
         checkpoint_fn = self.activation_offload.wrap_checkpoint(checkpoint) if self.activation_offload else checkpoint
         switches = None
         hidden_states = self.activation_offload.hidden_states if self.activation_offload is not None else None
-        # layers whose checkpoint call is inside a compiled graph of their own (offload.hidden_states is refused
-        # under a compiled model)
-        calls = {i: compiled_call(self.module, *layers.layers[i]) for i in indices}
-        compiled = {i: call for i, call in calls.items() if call is not None}
         if hidden_states is not None and compiled:
             # a compiled layer's inputs move around its compiled call (offload/compiled.py): hooks around its
             # checkpoint call would be inside the compiled region
@@ -482,25 +493,19 @@ class Plan:
                 head_chunkable=cfg.chunked_loss is None and bool(layers.output_heads()),
             )
             switches = self.budget.switches
-        if layers.hf_models and cfg.implementation == "hf":
-            self._engine = "hf"
+        if self._engine == "hf":
             self.recomputed = enable_hf_checkpointing(
                 layers.hf_models, modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches
             )
         else:
-            # plain torch layers, or implementation: fsdp: torch's non-reentrant checkpoint around each layer's
-            # forward, outside transformers; FSDP2's hooks stay outside the recompute
-            self._engine = "fsdp" if cfg.implementation == "fsdp" else "torch"
             self.recomputed = wrap_layers(modules, cfg, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
         if self.selective is not None:
             self.selective.set_checkpointed(self.recomputed)
-        if above or compiled:
+        if found.above or compiled:
+            self._compiled_note = "recomputed inside the graphs, where the partitioner keeps attention's outputs"
+        elif found.layers:  # the checkpoint wraps each compiled call from outside
             self._compiled_note = (
-                "compiled: recomputed inside the graphs, where the partitioner keeps attention's outputs"
-            )
-        elif indices:  # layers selected by name are the compiled wrappers themselves
-            self._compiled_note = (
-                "compiled: each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
+                "each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
             )
         if hidden_states is not None:
             for index, call in compiled.items():
@@ -508,15 +513,17 @@ class Plan:
                     offload_inputs_of_compiled_layer(modules[index], call, hidden_states)
                     self._inputs_around_compiled += 1
 
-    def _check_compiled(self, indices: List[int], above: List[str]) -> None:
-        """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word (the
-        selective policy checks its own parts under compile, and layer offloading its own).
+    def _check_compiled(self, found: CompiledModules, outside: List[int], inside_too: List[int]) -> None:
+        """Refuse what would make dynamo run compiled decoder layers eagerly, uncompiled, without a word, or fail
+        (the selective policy checks its own parts under compile, and layer offloading its own).
 
         Args:
-            indices: The compiled decoder layers (:func:`~lightning_ac.layers.compiled_layers`).
-            above: The compiled modules around them.
+            found: What is compiled around the decoder layers (:func:`~lightning_ac.layers.compiled_layers`).
+            outside: The compiled layers whose checkpoint wraps their compiled call from outside, in eager.
+            inside_too: Those of them whose compiled forward checkpoints inside as well
+                (:func:`~lightning_ac.offload.compiled.checkpointed_inside_too`).
         """
-        compiled = describe_compiled(indices, above)
+        compiled = found.describe()
         if not compiled:
             return
         if self.config.budget is not None:
@@ -526,7 +533,27 @@ class Plan:
                 "layers eagerly, uncompiled, without a word. Choose a mode instead (full, kwargs.every_n_layers, "
                 "selective save rules), or leave the layers uncompiled."
             )
-        if above and self.activation_offload is not None and self.activation_offload.hidden_states is not None:
+        if outside and not found.above and self.config.selective is not None:
+            raise ConfigError(
+                f"activation_checkpointing.selective: {compiled}, and the checkpoint of decoder layers {outside} "
+                "wraps their compiled call from outside (the layers selected are the compiled wrappers themselves, or "
+                "their compiled forward is what the checkpoint calls), where the selective policy, a dispatch mode "
+                "around the call, would make dynamo run the layers eagerly, uncompiled, or fail in backward. Put the "
+                "checkpoint inside the graphs: select the layers inside the wrappers (layers=[<layer class>], or the "
+                "'..._orig_mod' names), or compile each layer with layer.compile(); or drop selective (full "
+                "checkpointing recomputes the compiled forward from outside)."
+            )
+        hidden_states = self.activation_offload is not None and self.activation_offload.hidden_states is not None
+        if inside_too and hidden_states:
+            raise ConfigError(
+                f"activation_checkpointing.offload.hidden_states: {compiled}, and transformers' checkpoint around a "
+                f"forward compiled in the class of decoder layers {inside_too} checkpoints inside that compiled "
+                "forward as well, where offload.hidden_states' hooks would make dynamo run the layers eagerly, "
+                "uncompiled, without a word. Compile the layer instances instead (layer.compile(), layers[i] = "
+                "torch.compile(layers[i])), or select the layers with layers=[...] (torch's checkpoint then wraps the "
+                "compiled forward from outside, where the hooks work)."
+            )
+        if found.above and hidden_states:
             raise ConfigError(
                 f"activation_checkpointing.offload.hidden_states: {compiled}, and offload.hidden_states moves each "
                 "layer's input with saved-tensor hooks around its call, which would be inside the compiled region: "
@@ -544,7 +571,7 @@ class Plan:
 
     def _install_weight_streamer(self, modules: List[nn.Module]) -> None:
         assert self.device is not None and self.layer_offload_request is not None
-        compiled = describe_compiled(*compiled_layers(self.module, self.layers))
+        compiled = compiled_layers(self.module, self.layers).describe()
         if compiled:
             raise ConfigError(
                 f"layer_offloading: {compiled}, but layer offloading swaps each parameter's data between host and "
@@ -636,10 +663,11 @@ class Plan:
             if cfg.selective.save_matmul_min_k:
                 saves.append(f"matmuls with K >= {cfg.selective.save_matmul_min_k}")
             parts.append(f"selective: save {', '.join(saves) or 'registered ops only'}")
-            if self.selective is not None and self.selective.compiled:
-                parts.append("compiled: the save rules apply when the graph is traced, without per-rule diagnostics")
-        if self._compiled_note:
-            parts.append(self._compiled_note)
+        compiled = [self._compiled_note] if self._compiled_note else []
+        if self.selective is not None and self.selective.compiled:
+            compiled.append("the save rules apply when the graphs are traced (no warning about saves never replayed)")
+        if compiled:
+            parts.append("compiled: " + "; ".join(compiled))
         return ", ".join(parts)
 
     # -- report ---------------------------------------------------------------------------------------------

@@ -143,9 +143,9 @@ def assert_same_training(reference: LM, run: LM) -> None:
         assert torch.equal(grad, run.grads[name]), name
 
 
-def batches(n: int = 4, seed: int = 1) -> torch.utils.data.DataLoader:
+def batches(n: int = 4, seed: int = 1, seq: int = SEQ) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (n * BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (n * BATCH, seq), generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH)
 
 

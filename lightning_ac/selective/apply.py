@@ -9,7 +9,7 @@ from torch import nn
 
 import lightning_ac.selfcheck as selfcheck
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
-from lightning_ac.layers import DecoderLayers, compiled_layers, describe_compiled, find_decoder_layers
+from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
 
 __all__ = ["apply_selective_checkpointing", "build_policy"]
@@ -36,7 +36,7 @@ def build_policy(
     rules that name ops apply when the graph is traced; ``save_modules`` and ``offload.selective`` raise
     ``ConfigError`` there."""
     modules = [m for _, m in layers.layers]
-    compiled = describe_compiled(*compiled_layers(root, layers))
+    compiled = compiled_layers(root, layers).describe()
     if compiled and config.save_modules:
         raise ConfigError(
             f"activation_checkpointing.selective.save_modules: {compiled}, and save_modules tells the modules apart "

@@ -162,6 +162,27 @@ def _name_matches(name: str, entry: str) -> bool:
     return name == entry or name.endswith("." + entry)
 
 
+def _no_match(entry: str, where: str) -> str:
+    """The problem of a ``save`` entry that matched no op in ``where``."""
+    hint = (
+        "no attention kernel ran (eager attention is bmm + softmax, which `attention` does not name)"
+        if entry == "attention"
+        else "no op's qualified name contains it"
+    )
+    return (
+        f"selective.save entry {entry!r} matched no op in {where}: {hint}. "
+        "Ops are matched at the dispatcher level as substrings of names like 'aten::mm'."
+    )
+
+
+def _no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
+    """The problem of a ``save_matmul_min_k`` that no matmul reached."""
+    return (
+        f"selective.save_matmul_min_k: {min_k} saved nothing: no matmul reached K >= {min_k} (largest K seen: "
+        f"{max_k}). Lower it to a linear layer's in_features."
+    )
+
+
 def _peft_tuner_class() -> Optional[type]:
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -210,6 +231,7 @@ class SelectivePolicy:
         self.saved_ops_per_layer: Dict[int, Counter] = {}
         self.saved_bytes_per_layer: Dict[int, int] = {}
         self.regions = 0
+        self.traced_ops = 0  # under torch.compile: the ops the policy was asked about when the graphs were traced
         self.recomputes = 0
         self.diagnosed = False
         self._module_names = module_names
@@ -420,13 +442,15 @@ class SelectivePolicy:
     def _compiled_contexts(self) -> Tuple[Any, Any]:
         """Under ``torch.compile``: torch's own contexts, the only ones a compiled region takes. AOT autograd asks
         their policy about each op once, when it traces the graph, and the partitioner keeps what it must save; no
-        mode of ours runs inside the compiled graph, so nothing is counted (a trace-time decision is not a runtime
-        one) and the rules' diagnostics are not available."""
+        mode of ours runs inside the compiled graph. The rules' matches are counted as they are traced (which rules
+        match an op); what a recompute replays is not known there."""
         region = _Region(None, None)  # one graph serves every layer of its code: no per-layer decision
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            # MUST_SAVE for every rule: the partitioner takes PREFER_SAVE as a hint it may overrule
-            rule = self.decide(region, func, args, kwargs, count=False)
+            # MUST_SAVE for every rule: the partitioner takes PREFER_SAVE as a hint it may overrule. Counted: which
+            # rules match an op when the graphs are traced (what problems() can tell under compile)
+            self.traced_ops += 1
+            rule = self.decide(region, func, args, kwargs)
             return CheckpointPolicy.PREFER_RECOMPUTE if rule is None else CheckpointPolicy.MUST_SAVE
 
         return create_selective_checkpoint_contexts(policy_fn)
@@ -468,19 +492,16 @@ class SelectivePolicy:
     # -- diagnostics -------------------------------------------------------------------------------------
 
     def problems(self) -> List[str]:
-        """Rules that saved nothing useful so far, one sentence each."""
-        found = []
-        for entry, rule in self.save_rules.items():
-            if rule.matched_ops == 0:
-                hint = (
-                    "no attention kernel ran (eager attention is bmm + softmax, which `attention` does not name)"
-                    if entry == "attention"
-                    else "no op's qualified name contains it"
-                )
-                found.append(
-                    f"selective.save entry {entry!r} matched no op in {self.regions} checkpointed regions: {hint}. "
-                    "Ops are matched at the dispatcher level as substrings of names like 'aten::mm'."
-                )
+        """Rules that saved nothing useful so far, one sentence each. Under ``torch.compile``, what tracing tells:
+        the rules that matched no op in the graphs traced with this policy (none before a graph is traced: one
+        traced for an earlier run serves this one too); whether a recompute replays a save is not known there."""
+        if self.compiled:
+            return self._traced_problems()
+        found = [
+            _no_match(entry, f"{self.regions} checkpointed regions")
+            for entry, rule in self.save_rules.items()
+            if rule.matched_ops == 0
+        ]
         for entry, rule in self.module_rules.items():
             if rule.modules and rule.hook_calls == 0:
                 found.append(f"selective.save_modules entry {entry!r} matched {rule.modules} modules, but none ran.")
@@ -493,11 +514,7 @@ class SelectivePolicy:
                 )
         threshold = self.threshold_rule
         if threshold is not None and threshold.saved == 0:
-            found.append(
-                f"selective.save_matmul_min_k: {self.config.save_matmul_min_k} saved nothing: no matmul reached "
-                f"K >= {self.config.save_matmul_min_k} (largest K seen: {threshold.max_k}). Lower it to a linear "
-                "layer's in_features."
-            )
+            found.append(_no_matmul_reached(self.config.save_matmul_min_k, threshold.max_k))
         elif threshold is not None and threshold.replayed == 0:
             found.append(
                 f"selective.save_matmul_min_k: {self.config.save_matmul_min_k} saved {threshold.saved} matmul "
@@ -506,6 +523,17 @@ class SelectivePolicy:
         for rule in self.registered_rules.values():
             if rule.saved and rule.replayed == 0 and not rule.mandatory:
                 found.append(f"{rule.label} saved {rule.saved} outputs that no recompute replayed.")
+        return found
+
+    def _traced_problems(self) -> List[str]:
+        """Under ``torch.compile``: the ``save`` entries and the matmul threshold that matched no op when the graphs
+        were traced (save_modules is refused there, and registered saves are the plugins' own)."""
+        if not self.traced_ops:
+            return []
+        found = [_no_match(e, "the traced graphs") for e, rule in self.save_rules.items() if rule.matched_ops == 0]
+        threshold = self.threshold_rule
+        if threshold is not None and threshold.matched_ops == 0:
+            found.append(_no_matmul_reached(self.config.save_matmul_min_k, threshold.max_k))
         return found
 
     def diagnose(self) -> None:
