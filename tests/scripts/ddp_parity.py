@@ -2,7 +2,8 @@
 
 Writes one JSON line per rank to the path in argv[1]: whether the final parameters of each suite run (SAC +
 hidden_states offload; checkpointing + layer offloading, whose rank 1 starts from other frozen weights, which
-the broadcast at setup must replace) are bit-identical to the plain run's.
+the broadcast at setup must replace; checkpointing + the chunked loss, one chunk of every token) are bit-identical
+to the plain run's.
 """
 
 import json
@@ -50,11 +51,14 @@ suite, trainer = train(
 streamed, _ = train(
     base, [ActivationCheckpointing(), LayerOffload(copy_on_host=True, verify_steps=1)], perturb_frozen=True
 )
+chunked, _ = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 4096})])
 same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), suite.parameters()))
+same_chunked = all(torch.equal(a, b) for a, b in zip(plain.parameters(), chunked.parameters()))
 same_streamed = all(torch.equal(a, b) for a, b in zip(plain.parameters(), streamed.parameters()))
-row = {"rank": trainer.global_rank, "same": same, "same_streamed": same_streamed,
+row = {"rank": trainer.global_rank, "same": same, "same_streamed": same_streamed, "same_chunked": same_chunked,
        # the verified steps ran training_step twice: LM records a loss per call, the reference's first
-       "losses": [plain.losses, suite.losses[1::2][:2] + suite.losses[4:], streamed.losses[1:]]}  # fmt: skip
+       "losses": [plain.losses, suite.losses[1::2][:2] + suite.losses[4:], streamed.losses[1:],
+                  chunked.losses]}  # fmt: skip
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps(row) + "\n")
 
