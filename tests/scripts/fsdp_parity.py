@@ -1,6 +1,7 @@
 """Run under `python -m torch.distributed.run --nproc_per_node 2`: FSDP2 (ModelParallelStrategy) on CPU with gloo,
 the model sharded with fully_shard in configure_model; `implementation: fsdp` (alone, with selective checkpointing,
-and with selective + hidden_states offload) and `hf` + selective, each against no checkpointing.
+and with selective + hidden_states offload), `hf` + selective and `hf` + the chunked loss (one chunk), each against no
+checkpointing.
 
 Writes one JSON line per rank to the path in argv[1].
 """
@@ -50,6 +51,8 @@ MODES = {
         ActivationOffload(hidden_states="cpu", selective="cpu", copy_on_host=True),
     ],
     "hf_selective": lambda: [ActivationCheckpointing(selective=True)],
+    # the output head sharded with the rest: its gradient, computed in the chunked loss's forward, reaches FSDP's
+    "hf_chunked": lambda: [ActivationCheckpointing(chunked_loss={"chunk_tokens": 4096})],
 }
 base = tiny_model("llama")
 plain, _ = train(base, [])
