@@ -69,12 +69,13 @@ class _StepMeasurement:
         else:
             self._tracker = _tracker_class()(self.inside_forward)
             self._tracker.track_external(*self.modules, *self.optimizers)
-            self._eager = torch.compiler.set_stance("force_eager")  # set at once; its __exit__ puts the last back
+            self._eager = _EAGER
+            _EAGER.enter()
             try:
                 self._tracker.__enter__()
             except BaseException:
                 self._eager, eager = None, self._eager
-                eager.__exit__(None, None, None)
+                eager.exit()
                 raise
         return self
 
@@ -113,11 +114,36 @@ class _StepMeasurement:
         try:
             tracker.__exit__(*exc)
         finally:
-            eager.__exit__(None, None, None)
+            eager.exit()
         if exc[0] is not None:
             return
         activation = max(_activation_peak(tracker) + self._held, self._earlier)
         self.result = MemoryPeak(activation, activation, "mem_tracker")
+
+
+class _EagerWhileMeasuring:
+    """``force_eager`` while any CPU measurement is open. Measurements overlap and end in any order (the memory
+    budget's and the benchmark's in the same step, each from its own callback): the stance in force before the first
+    one is put back when the last one ends, not when the first ends (``set_stance``'s own exit restores the stance of
+    its own entry, which would leave ``force_eager`` on for good)."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self._stance: Any = None
+
+    def enter(self) -> None:
+        if self.open == 0:
+            self._stance = torch.compiler.set_stance("force_eager")  # set at once; its __exit__ puts the last back
+        self.open += 1
+
+    def exit(self) -> None:
+        self.open -= 1
+        if self.open == 0:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
+
+
+_EAGER = _EagerWhileMeasuring()
 
 
 def _activation_peak(tracker: Any) -> int:

@@ -55,3 +55,17 @@ def test_a_step_that_calls_the_model_twice_is_measured_whole():
     single = _measured(model, optimizer, once)
     double = _measured(model, optimizer, twice)
     assert 1.8 * single < double < 2.2 * single
+
+
+def test_overlapping_measurements_put_the_compilers_stance_back_whatever_order_they_end_in():
+    # the memory budget's measurement and the benchmark's share a step, each ended by its own callback: the first to
+    # start may end first; then the compiler stayed in force_eager for the rest of the process (nothing compiled)
+    stance = torch._dynamo.eval_frame._stance.stance
+    first, second = measure_step([], [], torch.device("cpu")), measure_step([], [], torch.device("cpu"))
+    first.__enter__()
+    second.__enter__()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    first.__exit__(None, None, None)
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager", "the second still measures"
+    second.__exit__(None, None, None)
+    assert torch._dynamo.eval_frame._stance.stance == stance
