@@ -15,7 +15,7 @@ __all__ = [
     "PRESETS_DIR",
     "EstimateError",
     "Training",
-    "build_on_meta",
+    "build_model",
     "describe",
     "load_config",
     "parse_set",
@@ -148,12 +148,13 @@ def lora_targets(config: Any, training: Training) -> List[str]:
     return ["q_proj", "v_proj"]
 
 
-def build_on_meta(config: Any, dtype: torch.dtype, training: Training) -> nn.Module:
-    """The causal LM for ``config`` on the meta device in ``dtype``, with LoRA adapters (PEFT, trainable, the rest
-    frozen) or every parameter trainable. PEFT keeps fp16/bf16 adapters in float32, as it does by default."""
+def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any = "meta") -> nn.Module:
+    """The causal LM for ``config`` on ``device`` (the estimate's: meta) in ``dtype``, with LoRA adapters (PEFT,
+    trainable, the rest frozen) or every parameter trainable. PEFT keeps fp16/bf16 adapters in float32, as it does by
+    default. The tests build the real model they measure with it, on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if training.full_finetune:
         model.requires_grad_(True)
@@ -161,13 +162,10 @@ def build_on_meta(config: Any, dtype: torch.dtype, training: Training) -> nn.Mod
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(config, training)
+    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, target_modules=targets)
     try:
-        with torch.device("meta"):
-            return get_peft_model(
-                model,
-                LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
-                           target_modules=targets),
-            )  # fmt: skip
+        with torch.device(device):
+            return get_peft_model(model, lora)
     except ValueError as err:
         raise EstimateError(
             f"LoRA on {config.model_type}: {err}. Name the modules to adapt (lora_targets=[...], --lora-targets)"

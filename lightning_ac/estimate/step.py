@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_ac.estimate import isolation
 from lightning_ac.estimate.isolation import fake_session, patched
-from lightning_ac.estimate.models import EstimateError, Training, build_on_meta
+from lightning_ac.estimate.models import EstimateError, Training, build_model
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
@@ -229,7 +229,7 @@ def _engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
             yield
 
 
-def _fake_op_error(err: BaseException, mode: str) -> Optional[EstimateError]:
+def _fake_op_error(err: BaseException, mode: str, op: Any) -> Optional[EstimateError]:
     """An op fake tensors cannot run, as an error naming it and the mode; ``None`` for other errors."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -237,19 +237,22 @@ def _fake_op_error(err: BaseException, mode: str) -> Optional[EstimateError]:
         UnsupportedOperatorException,
     )
 
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if isinstance(err, UnsupportedOperatorException):
         why = "has no fake (meta) implementation"
     elif isinstance(err, DynamicOutputShapeException):
         why = "has an output whose shape depends on the data"
     elif isinstance(err, DataDependentOutputException):
         why = "needs the values of a tensor (data-dependent control flow)"
+    elif op is not None or "fake impl" in text:
+        why = f"failed on fake tensors ({type(err).__name__}: {text[:300]})"
     else:
         return None
-    op = getattr(err, "func", None)
+    op = getattr(err, "func", None) or op
     return EstimateError(
-        f"mode {mode}: the op {op} {why}, so the step cannot run on fake tensors. Custom or Triton kernels need a "
-        "fake implementation (torch.library.register_fake); a model that branches on tensor values cannot be "
-        "estimated this way."
+        f"mode {mode}: the op {op or 'a custom op'} {why}, so the step cannot run on fake tensors. A custom or Triton "
+        "kernel needs a fake implementation (torch.library.register_fake); a model that branches on tensor values "
+        "cannot be estimated this way."
     )
 
 
@@ -263,6 +266,39 @@ def _features(mode: Mode) -> List[str]:
     return selfcheck.features_of(
         cfg.enabled, cfg.selective is not None, targets, layer_offload, False, cfg.chunked_loss is not None
     )
+
+
+def mode_callbacks(mode: Mode, layers: int) -> List[Callback]:
+    """The suite's callbacks for ``mode`` on a model of ``layers`` decoder layers, with the copies run on a CPU
+    trainer (``copy_on_host``)."""
+    from lightning_ac.callbacks import callbacks_from_config
+
+    return callbacks_from_config(
+        mode.block,
+        layer_offloading=mode.layer_offload is not None,
+        layer_offloading_resident_layers=mode.resident_layers(layers),
+        copy_on_host=True,
+    )
+
+
+def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = "auto") -> pl.Trainer:
+    """A CPU Trainer that trains ``max_steps`` steps with ``callbacks`` and nothing else (no logger, checkpoints,
+    progress bar or summary); the user's ``PL_TRAINER_*`` variables are not its defaults."""
+    from lightning_ac.callbacks import _without_trainer_environment
+
+    with _without_trainer_environment():
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
 
 
 def fake_step(
@@ -282,7 +318,6 @@ def fake_step(
             to the model (the suite's own :class:`~lightning_ac.ConfigError`, with the mode named).
     """
     import lightning_ac.selfcheck as selfcheck
-    from lightning_ac.callbacks import _without_trainer_environment, callbacks_from_config
     from lightning_ac.config import ConfigError
 
     # a release newer than the tested ones checks each feature on real tensors, before the fake step (once a process)
@@ -291,33 +326,16 @@ def fake_step(
     tracker = MemoryTracker(round_to=CUDA_BLOCK if target == "cuda" else 1, flop_registry=flop_registry())
     measure = _Measure(tracker)
     with fake_session(), _engines_tagged(tracker):
-        model = build_on_meta(config, dtype, training)
+        model = build_model(config, dtype, training)
         fake_mode = isolation.fake_mode()
         with fake_mode:
             model.to_empty(device="cpu")
             if getattr(config, "tie_word_embeddings", False):
                 model.tie_weights()
             ids = torch.zeros(batch, seq, dtype=torch.long)
-        layers = config.num_hidden_layers
-        callbacks = callbacks_from_config(
-            mode.block,
-            layer_offloading=mode.layer_offload is not None,
-            layer_offloading_resident_layers=mode.resident_layers(layers),
-            copy_on_host=True,
-        )
+        callbacks = mode_callbacks(mode, config.num_hidden_layers)
         module = _StepModule(model, optimizer, foreach=target == "cuda")
-        with _without_trainer_environment():
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                strategy=_InPlace(device=torch.device("cpu")),
-                max_steps=1,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                callbacks=[*callbacks, _HostOfStreamer(measure), measure],
-            )
+        trainer = step_trainer([*callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu")))
         loader = _OneBatch(ids)  # not a DataLoader, which draws its seed from the random state
         try:
             with fake_mode:
@@ -327,7 +345,7 @@ def fake_step(
         except ConfigError as err:
             raise EstimateError(f"mode {mode.name}: {err}") from err
         except Exception as err:
-            fake = _fake_op_error(err, mode.name)
+            fake = _fake_op_error(err, mode.name, tracker.failed_op)
             if fake is not None:
                 raise fake from err
             raise

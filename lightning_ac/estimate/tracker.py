@@ -93,6 +93,7 @@ class MemoryTracker(TorchDispatchMode):
             with offloading on: the offloaded copies and the streamed layers' copies are activations to it).
         weights_peak: The most bytes of streamed weights on the device after any op.
         flops: FLOPs per :class:`Phase`.
+        failed_op: The op that raised, if one did (an op fake tensors cannot run).
         region: What the step's code is running now (the estimate sets it: a decoder layer's index, ``"outside"``,
             ``"head"``); each activation remembers the region it was made in.
     """
@@ -119,6 +120,7 @@ class MemoryTracker(TorchDispatchMode):
         self._tag: Optional[Kind] = None  # the kind new storages get instead of ACTIVATION (tagging())
         self._window: Optional[List[int]] = None  # [activations at its start, the most since]
         self._handles: List[Any] = []
+        self.failed_op: Any = None
 
     # -- counting ---------------------------------------------------------------------------------------------
 
@@ -291,7 +293,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.failed_op is None:  # the innermost op that raised (outer ops raise with it)
+                self.failed_op = func
+            raise
         kind = self._tag if self._tag is not None else Kind.ACTIVATION
         for storage in _storages(out):
             entry = self._entries.get(id(storage))
