@@ -254,21 +254,28 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
             "full",
             "chunked_loss",
         ]
-        + ["--device-memory", "1.2GiB", "--seq-step", "1024", "--json", str(path), "--optimizer", "sgd"]
+        + ["--device-memory", "1.2GiB", "600MiB", "--seq-step", "1024", "--json", str(path), "--optimizer", "sgd"]
     )
     out, err = capsys.readouterr()
     assert out.startswith(f"{tiny_dir}: llama: ") and "2 layers" in out and "| mode | seq x batch | weights |" in out
     rows = [line for line in out.split("Longest")[0].splitlines() if line.startswith("| `")]
     assert [r.split("|")[1].strip() for r in rows] == ["`full`"] * 2 + ["`full+chunked_loss`"] * 2
-    assert "Longest sequence that fits 1.20 GiB" in out and "fits: the device total plus an assumed margin" in out
+    assert "| fits 1.20 | fits 0.59 |" in out and "fits: the device total plus an assumed margin" in out
+    assert "| mode | 1.20 | 0.59 |" in out.split("Longest sequence that fits (batch 2, GiB):")[1]
     assert err.count("estimate: ") >= 4  # a progress line per fake step: 2 modes x 2 lengths, then the search
     data = json.loads(path.read_text())
     assert len(data["steps"]) == 4 and {s["mode"] for s in data["steps"]} == {"full", "full+chunked_loss"}
     for s in data["steps"]:
-        assert set(s) == set(JSON_FIELDS) and isinstance(s["layer_saved_bytes"], list) and s["fits"] is True
+        assert set(s) == set(JSON_FIELDS) and isinstance(s["layer_saved_bytes"], list)
+        assert s["fits"] is True and s["fits_on"] == [True, False]  # the context's 1 GiB margin alone is over 600 MiB
         assert s["device_total_bytes"] > s["activation_peak_bytes"] > 0 and s["seq"] in (32, 64) and s["batch"] == 2
-    assert [f["mode"] for f in data["longest"]] == ["full", "full+chunked_loss"]
-    assert data["longest"][1]["seq"] >= data["longest"][0]["seq"] > 64
+    assert [(f["mode"], f["device_memory_bytes"]) for f in data["longest"]] == [
+        ("full", int(1.2 * 2**30)),
+        ("full+chunked_loss", int(1.2 * 2**30)),
+        ("full", 600 * 2**20),
+        ("full+chunked_loss", 600 * 2**20),
+    ]
+    assert data["longest"][1]["seq"] >= data["longest"][0]["seq"] > 64 and data["longest"][2]["seq"] == 0
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ is made and freed. See :func:`estimate`; the modules, one job each:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -76,15 +76,16 @@ def _check(
         raise EstimateError(f"target {target!r}: cuda (allocations rounded to 512 bytes) or cpu (exact bytes)")
 
 
-def _device_bytes(device_memory: Union[int, str, None]) -> Optional[int]:
+def _device_bytes(device_memory: Union[int, str, Sequence[Union[int, str]], None]) -> List[int]:
     if device_memory is None:
-        return None
+        return []
     from lightning_ac.config import ConfigError, parse_size
 
+    sizes = [device_memory] if isinstance(device_memory, (int, str)) else list(device_memory)
     try:
-        return parse_size(device_memory, "--device-memory")
+        return [parse_size(size, "--device-memory") for size in sizes]
     except ConfigError as err:
-        raise EstimateError(str(err).replace("Give the activation memory one training step may use.", "")) from None
+        raise EstimateError(str(err).replace(" Give the activation memory one training step may use.", "")) from None
 
 
 def estimate(
@@ -97,7 +98,7 @@ def estimate(
     lora_targets: Optional[Sequence[str]] = None,
     optimizer: str = "adamw",
     modes: Optional[Sequence[str]] = None,
-    device_memory: Union[int, str, None] = None,
+    device_memory: Union[int, str, Sequence[Union[int, str]], None] = None,
     overrides: Optional[Mapping[str, Any]] = None,
     target: str = "cuda",
     longest: bool = True,
@@ -119,8 +120,9 @@ def estimate(
         optimizer: ``adamw``, ``sgd`` (no momentum: no state) or ``none`` (gradients, no step).
         modes: Mode names (:func:`known_modes`), ``NAME+chunked_loss``, or ``chunked_loss`` (each mode with the
             chunked loss too); every suite mode when ``None``.
-        device_memory: The device's size (bytes, or ``"80GiB"``): each step says whether it fits, with a stated
-            margin (:data:`lightning_ac.estimate.fit.MARGIN_NOTE`), and each mode its longest length that fits.
+        device_memory: The device's size (bytes, or ``"80GiB"``), or several: each step says whether it fits each,
+            with a stated margin (:data:`lightning_ac.estimate.fit.MARGIN_NOTE`), and each mode its longest length
+            that fits each.
         overrides: Config values to set (``{"num_hidden_layers": 2}``; dotted keys reach nested configs).
         target: ``cuda`` (allocations rounded to the CUDA allocator's 512 bytes) or ``cpu`` (exact bytes, as a CPU
             run's measurement counts them).
@@ -137,7 +139,7 @@ def estimate(
     """
     seqs = [seq] if isinstance(seq, int) else list(seq)
     _check(seqs, batch, dtype, None if full_finetune else lora, optimizer, target, seq_step)
-    device = _device_bytes(device_memory)
+    devices = _device_bytes(device_memory)
     training = Training(None) if full_finetune else Training(lora, tuple(lora_targets) if lora_targets else None)
     chosen = resolve_modes(modes, training.full_finetune)
     config = load_config(model, overrides or {})
@@ -150,17 +152,16 @@ def estimate(
         training=training.describe(None if training.full_finetune else _targets_of(config, training)),
         optimizer=optimizer,
         target=target,
-        device_memory_bytes=device,
-        notes=list(NOTES) + ([MARGIN_NOTE] if device is not None else []),
+        device_memory_bytes=devices,
+        notes=list(NOTES) + ([MARGIN_NOTE] if devices else []),
     )
     del shape
 
     def run(mode: Any, length: int) -> StepEstimate:
         step = fake_step(config, torch_dtype, training, mode, length, batch, optimizer, target)
-        if device is not None:
-            step = dataclasses.replace(
-                step, fits=fits(step, device), margin_bytes=margin_bytes(step.device_total_bytes)
-            )
+        if devices:
+            on = [fits(step, device) for device in devices]
+            step = dataclasses.replace(step, fits=on[0], fits_on=on, margin_bytes=margin_bytes(step.device_total_bytes))
         if progress is not None:
             from lightning_ac.estimate.render import progress_line
 
@@ -170,8 +171,15 @@ def estimate(
     for mode in chosen:
         for length in seqs:
             result.steps.append(run(mode, length))
-    if device is not None and longest:
+    searched: dict = {}  # (mode, length) -> step: the search on one size reuses the steps it made on another
+    for device in devices if longest else []:
         for mode in chosen:
             known = [s for s in result.steps if s.mode == mode.name]
-            result.longest.append(longest_fit(mode.name, known, lambda n, m=mode: run(m, n), device, seq_step))
+            known += [s for (name, _), s in searched.items() if name == mode.name]
+
+            def probe(length: int, mode: Any = mode) -> StepEstimate:
+                searched[mode.name, length] = step = run(mode, length)
+                return step
+
+            result.longest.append(longest_fit(mode.name, known, probe, device, seq_step))
     return result

@@ -34,6 +34,7 @@ JSON_FIELDS = (
     "device_total_bytes",
     "margin_bytes",
     "fits",
+    "fits_on",
     "seconds",
 )
 
@@ -74,7 +75,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODE",
         help=f"default: every mode ({', '.join(known_modes())}; NAME+chunked_loss; chunked_loss adds each with it)",
     )
-    p.add_argument("--device-memory", default=None, metavar="SIZE", help="the device's size (80GiB, 24GB): fits or not")
+    p.add_argument(
+        "--device-memory",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="the device's size (80GiB, 24GB), or several: fits or not, and the longest length that fits",
+    )
     p.add_argument(
         "--seq-step", type=int, default=512, help="granularity of the longest-length search (default 512 tokens)"
     )

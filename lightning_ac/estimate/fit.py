@@ -69,12 +69,12 @@ def longest_fit(
     hi = min((s for s in multiples if s > lo and not ok(s)), default=None)  # the shortest known not to
     if lo == 0 and (hi is None or hi > step):
         if not ok(step):
-            return LongestFit(mode, 0, step)
+            return LongestFit(mode, device_memory, 0, step)
         lo = step
     neighbour: Optional[int] = None  # the length that settles a guess that just landed
     while hi is None or hi - lo > step:
         if lo >= upper:
-            return LongestFit(mode, lo, step, limited=True)
+            return LongestFit(mode, device_memory, lo, step, limited=True)
         settling, guess = neighbour is not None, neighbour or _secant(seen, lo, hi, device_memory, step)
         if hi is None:
             guess = min(guess if guess > lo else 2 * lo, upper)
@@ -85,7 +85,7 @@ def longest_fit(
         # a guess of the line's is settled by its neighbour; a neighbour that did not settle it leaves the line to
         # guess again, from the nearer points
         neighbour = None if settling else guess + step if fitted else guess - step if guess - step > lo else None
-    return LongestFit(mode, lo, step)
+    return LongestFit(mode, device_memory, lo, step)
 
 
 def _secant(seen: Dict[int, StepEstimate], lo: int, hi: Optional[int], device_memory: int, step: int) -> int:

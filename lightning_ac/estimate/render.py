@@ -28,23 +28,21 @@ def _largest_part(step: StepEstimate, unit: int) -> str:
 
 
 def _fits(step: StepEstimate) -> str:
-    if step.fits is None:
-        return ""
-    return " | yes" if step.fits else " | **no**"
+    return "".join(" | yes" if fit else " | **no**" for fit in step.fits_on)
 
 
 def markdown(estimate: Estimate) -> str:
     """The table of every step, the longest fits, and the notes."""
-    device = estimate.device_memory_bytes
-    largest = max([s.device_total_bytes for s in estimate.steps] + [device or 0])
+    devices = estimate.device_memory_bytes
+    largest = max([s.device_total_bytes for s in estimate.steps] + devices)
     unit, unit_name = (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
     lines = [
         f"{estimate.model}: {estimate.description}; {estimate.dtype}, {estimate.training}, optimizer "
         f"{estimate.optimizer}; figures for {estimate.target} ({unit_name})",
         "",
         "| mode | seq x batch | weights | grads | optimizer | activation peak (at) | largest part | device total "
-        f"| host | extra compute{f' | fits {gib(device, unit)}' if device else ''} | fake step (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device else "") + "---|",
+        f"| host | extra compute{''.join(f' | fits {gib(d, unit)}' for d in devices)} | fake step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(devices) + "---|",
     ]
     for s in estimate.steps:
         weights = s.parameter_bytes + s.buffer_bytes + s.streamed_weight_bytes
@@ -56,19 +54,22 @@ def markdown(estimate: Estimate) -> str:
             f"{_fits(s)} | {s.seconds:.1f} |"
         )
     if estimate.longest:
-        size = f"{gib(device or 0, unit)} {unit_name}"
-        lines += ["", f"Longest sequence that fits {size} (batch {estimate.steps[0].batch}):", ""]
-        lines += ["| mode | longest seq |", "|---|---|"]
-        for fit in estimate.longest:
-            shown = f">= {fit.seq}" if fit.limited else (str(fit.seq) if fit.seq else f"< {fit.step}")
-            lines.append(f"| `{fit.mode}` | {shown} |")
+        sizes = [d for d in devices if any(f.device_memory_bytes == d for f in estimate.longest)]
+        lines += ["", f"Longest sequence that fits (batch {estimate.steps[0].batch}, {unit_name}):", ""]
+        lines += ["| mode |" + "".join(f" {gib(d, unit)} |" for d in sizes), "|---|" + "---|" * len(sizes)]
+        for name in dict.fromkeys(f.mode for f in estimate.longest):
+            cells = []
+            for d in sizes:
+                fit = next(f for f in estimate.longest if f.mode == name and f.device_memory_bytes == d)
+                cells.append(f">= {fit.seq}" if fit.limited else (str(fit.seq) if fit.seq else f"< {fit.step}"))
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += [""] + [f"- {note}" for note in estimate.notes]
     return "\n".join(lines) + "\n"
 
 
 def progress_line(step: StepEstimate) -> str:
     """One line per fake step, as it ends."""
-    fits = "" if step.fits is None else ("; fits" if step.fits else "; does not fit")
+    fits = f"; fits: {', '.join('yes' if fit else 'no' for fit in step.fits_on)}" if step.fits_on else ""
     activations, total = gib(step.activation_peak_bytes), gib(step.device_total_bytes)
     return (
         f"estimate: {step.mode} at {step.seq} x {step.batch} tokens: activations {activations} GiB, "

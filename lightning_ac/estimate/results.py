@@ -45,7 +45,9 @@ class StepEstimate:
         flops: The step's floating-point operations: ``forward``, ``backward``, ``recompute`` (forward ops run again
             in backward), ``optimizer`` (counted for matmuls and attention: ``torch.utils.flop_counter``'s formulas).
         seconds: Wall time of the fake step on this machine.
-        fits: With a device size: whether ``device_total_bytes`` plus the margin fits it; ``None`` without one.
+        fits: With a device size: whether ``device_total_bytes`` plus the margin fits it (the first size, when several
+            were given); ``None`` without one.
+        fits_on: With device sizes: whether it fits each (in the order given).
         margin_bytes: The margin added for what the allocator and the CUDA context take beyond allocated bytes.
     """
 
@@ -69,6 +71,7 @@ class StepEstimate:
     flops: Dict[str, int]
     seconds: float
     fits: Optional[bool] = None
+    fits_on: List[bool] = field(default_factory=list)
     margin_bytes: int = 0
 
     @property
@@ -85,12 +88,14 @@ class LongestFit:
 
     Attributes:
         mode: The mode's name.
+        device_memory_bytes: The device size it fits.
         seq: The longest length found to fit (a multiple of ``step``), ``0`` when not even ``step`` tokens fit.
         step: The granularity of the search.
         limited: ``True`` when the search stopped at its upper bound (the mode fits more).
     """
 
     mode: str
+    device_memory_bytes: int
     seq: int
     step: int
     limited: bool = False
@@ -107,10 +112,10 @@ class Estimate:
         training: ``lora r=16 (q_proj, v_proj)`` or ``full fine-tune``.
         optimizer: ``adamw``, ``sgd`` or ``none``.
         target: The device the figures are for (``cuda``: storages rounded to 512 bytes; ``cpu``: exact).
-        device_memory_bytes: The device size fits are judged against, if given.
+        device_memory_bytes: The device sizes fits are judged against (empty when none was given).
         margin_bytes: The margin assumed beyond allocated bytes (see :data:`lightning_ac.estimate.fit.MARGIN_NOTE`).
         steps: One :class:`StepEstimate` per mode and length.
-        longest: With a device size: the longest sequence each mode fits.
+        longest: With device sizes: the longest sequence each mode fits on each.
         notes: What the figures do not see or assume, one sentence each.
     """
 
@@ -120,7 +125,7 @@ class Estimate:
     training: str
     optimizer: str
     target: str
-    device_memory_bytes: Optional[int] = None
+    device_memory_bytes: List[int] = field(default_factory=list)
     margin_bytes: int = 0
     steps: List[StepEstimate] = field(default_factory=list)
     longest: List[LongestFit] = field(default_factory=list)

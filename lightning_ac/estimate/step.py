@@ -388,7 +388,6 @@ def _result(
 ) -> StepEstimate:
     start = measure.start_live
     head = measure.head_start or {"inputs": 0, "layers": [], "outside": 0}
-    peak_at = tracker.activation_peak_phase
     return StepEstimate(
         mode=mode,
         seq=seq,
@@ -398,7 +397,7 @@ def _result(
         gradient_bytes=start[Kind.GRADIENT],
         optimizer_bytes=start[Kind.OPTIMIZER],
         activation_peak_bytes=tracker.activation_peak,
-        activation_peak_at=peak_at.value if isinstance(peak_at, Phase) else "forward",
+        activation_peak_at=tracker.activation_peak_at,
         head_bytes=measure.head_bytes,
         layer_saved_bytes=list(head["layers"]),
         layer_input_bytes=head["inputs"],

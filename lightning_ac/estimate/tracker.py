@@ -85,7 +85,8 @@ class MemoryTracker(TorchDispatchMode):
     Attributes:
         live: The bytes held now, per :class:`Kind`.
         activation_peak: The most activations held after any op (see the module's docstring).
-        activation_peak_phase: The phase of the op after which that peak was reached.
+        activation_peak_at: Where that peak was reached: ``head`` (inside the output head's window, forward or
+            backward), else the phase of the op (``forward``, ``backward``, ``recompute``, ``optimizer``).
         device_peak: The most device bytes (every kind but host memory) held after any op.
         host_peak: The most host bytes held after any op.
         one_memory_peak: The most activations, streamed weights and host bytes the step added held together after
@@ -104,7 +105,7 @@ class MemoryTracker(TorchDispatchMode):
         self.flop_registry = flop_registry or {}
         self.live: List[int] = [0] * len(Kind)
         self.activation_peak = 0
-        self.activation_peak_phase: Optional[Phase] = None
+        self.activation_peak_at = Phase.FORWARD.value
         self.device_peak = 0
         self.host_peak = 0
         self.weights_peak = 0
@@ -274,7 +275,7 @@ class MemoryTracker(TorchDispatchMode):
         activations = live[Kind.ACTIVATION]
         if activations > self.activation_peak:
             self.activation_peak = activations
-            self.activation_peak_phase = phase
+            self.activation_peak_at = Phase.HEAD.value if self.head or phase is None else phase.value
         device = activations + live[Kind.PARAMETER] + live[Kind.BUFFER] + live[Kind.GRADIENT]
         device += live[Kind.OPTIMIZER] + live[Kind.WEIGHTS]
         if device > self.device_peak:
