@@ -46,8 +46,8 @@ def longest_fit(
 
     The device total grows about linearly with the length (flash attention keeps no S x S matrix), so the next
     length tried is where the line through the two lengths nearest the boundary reaches the device (a secant),
-    rounded down to ``step``; once a guess lands, its neighbour one ``step`` away settles it; bisection where the line
-    says nothing new. Every length is judged by a fake step of its own (``run``), never by the line.
+    rounded down to ``step``; once a guess lands, its neighbour one ``step`` away settles it (as it does when the line
+    puts the boundary within a step of a length already tried). Every length is judged by a fake step of its own (``run``), never by the line.
 
     Args:
         mode: The mode's name.
@@ -78,8 +78,8 @@ def longest_fit(
         settling, guess = neighbour is not None, neighbour or _secant(seen, lo, hi, device_memory, step)
         if hi is None:
             guess = min(guess if guess > lo else 2 * lo, upper)
-        elif not lo < guess < hi:
-            guess = lo + max(step, (hi - lo) // 2 // step * step)
+        elif not lo < guess < hi:  # the line puts the boundary within a step of one end: try that end's neighbour
+            settling, guess = True, lo + step if guess <= lo else hi - step
         fitted = ok(guess)
         lo, hi = (guess, hi) if fitted else (lo, guess)
         # a guess of the line's is settled by its neighbour; a neighbour that did not settle it leaves the line to
