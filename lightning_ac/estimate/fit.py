@@ -47,7 +47,8 @@ def longest_fit(
     The device total grows about linearly with the length (flash attention keeps no S x S matrix), so the next
     length tried is where the line through the two lengths nearest the boundary reaches the device (a secant),
     rounded down to ``step``; once a guess lands, its neighbour one ``step`` away settles it (as it does when the line
-    puts the boundary within a step of a length already tried). Every length is judged by a fake step of its own (``run``), never by the line.
+    puts the boundary within a step of a length already tried). Every length is judged by a fake step of its own
+    (``run``), never by the line.
 
     Args:
         mode: The mode's name.
