@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 import torch
 
 from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
+from lightning_ac.estimate.isolation import fake_session
 from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
 from lightning_ac.estimate.models import lora_targets as _targets_of
 from lightning_ac.estimate.modes import known_modes, resolve_modes
@@ -144,7 +145,8 @@ def estimate(
     chosen = resolve_modes(modes, training.full_finetune)
     config = load_config(model, overrides or {})
     torch_dtype = getattr(torch, dtype)
-    shape = build_model(config, torch_dtype, training)
+    with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
+        shape = build_model(config, torch_dtype, training)
     result = Estimate(
         model=model,
         description=describe(config, shape),

@@ -22,8 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_ac.estimate import isolation
-from lightning_ac.estimate.isolation import fake_session, patched
+from lightning_ac.estimate.isolation import fake_mode, fake_session, patched
 from lightning_ac.estimate.models import EstimateError, Training, build_model
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
@@ -327,8 +326,8 @@ def fake_step(
     measure = _Measure(tracker)
     with fake_session(), _engines_tagged(tracker):
         model = build_model(config, dtype, training)
-        fake_mode = isolation.fake_mode()
-        with fake_mode:
+        fake = fake_mode()
+        with fake:
             model.to_empty(device="cpu")
             if getattr(config, "tie_word_embeddings", False):
                 model.tie_weights()
@@ -338,7 +337,7 @@ def fake_step(
         trainer = step_trainer([*callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu")))
         loader = _OneBatch(ids)  # not a DataLoader, which draws its seed from the random state
         try:
-            with fake_mode:
+            with fake:
                 trainer.fit(module, loader)
         except EstimateError:
             raise
