@@ -47,15 +47,19 @@ def _import_graph() -> dict:
     return {_module_name(f): _imports(f, modules) - {_module_name(f)} for f in files}
 
 
-def test_the_core_never_imports_the_benchmark():
-    """lightning_ac.bench imports the core, never the other way (the memory budget measures with
-    lightning_ac.memory, which the benchmark shares)."""
+# Tooling packages: they import the core, never the other way (the estimator runs the benchmark's modes).
+TOOLING = ("lightning_ac.bench", "lightning_ac.estimate")
+
+
+def test_the_core_never_imports_the_tooling():
+    """lightning_ac.bench and lightning_ac.estimate import the core, never the other way (the memory budget measures
+    with lightning_ac.memory, which the benchmark shares)."""
     graph = _import_graph()
-    core = {m: deps for m, deps in graph.items() if not m.startswith("lightning_ac.bench")}
+    core = {m: deps for m, deps in graph.items() if not m.startswith(TOOLING)}
     assert not {
-        m: sorted(d for d in deps if d.startswith("lightning_ac.bench"))
+        m: sorted(d for d in deps if d.startswith(TOOLING))
         for m, deps in core.items()
-        if any(d.startswith("lightning_ac.bench") for d in deps)
+        if any(d.startswith(TOOLING) for d in deps)
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -27,6 +27,8 @@ __all__ = [
     "check_host_budget",
     "is_asynchronous",
     "host_copies",
+    "stands_for_plain",
+    "standing_for_plain",
     "synchronous_transfers",
     "transfers_are_synchronous",
 ]
@@ -213,6 +215,27 @@ class AcceleratorDevice(AsyncDevice):
                 torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
             except Exception:  # noqa: BLE001 - the memory is freed with the tensor either way
                 pass
+
+
+# Tensor types the copy engines treat as the plain tensors they stand for, while standing_for_plain() is active: the
+# estimate's fake tensors (lightning_ac.estimate), which have the plain tensors' sizes and layout and no memory. Other
+# subclasses (DTensor, functional and fake tensors under torch.compile) are left where they are.
+_plain_standins: List[type] = []
+
+
+@contextlib.contextmanager
+def standing_for_plain(cls: type) -> Iterator[None]:
+    """Inside: tensors of type ``cls`` are moved as plain tensors (and parameters of it as plain parameters)."""
+    _plain_standins.append(cls)
+    try:
+        yield
+    finally:
+        _plain_standins.remove(cls)
+
+
+def stands_for_plain(tensor: Any) -> bool:
+    """Whether ``tensor`` is of a type :func:`standing_for_plain` made stand for a plain tensor."""
+    return bool(_plain_standins) and type(tensor) in _plain_standins
 
 
 _simulated: Optional[AsyncDevice] = None  # set while a SimulatedDevice is active (tests)

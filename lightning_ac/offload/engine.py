@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit
+from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit, stands_for_plain
 
 __all__ = ["OffloadStats", "Packed", "TransferEngine"]
 
@@ -164,7 +164,7 @@ class TransferEngine:
         """What stays on the device: parameters and buffers (and views of them), host tensors, empty and small
         tensors, and tensors whose layout a byte copy would not carry (subclasses such as DTensor, conj/neg
         views)."""
-        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+        if not (type(tensor) is torch.Tensor or stands_for_plain(tensor)) or tensor.layout is not torch.strided:
             return True  # Parameters, DTensors, fake/functional tensors under compile...
         if tensor.device != self.device or tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
             return True

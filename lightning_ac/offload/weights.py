@@ -41,7 +41,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit
+from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit, stands_for_plain
 
 __all__ = ["LayerWeightStreamer", "frozen_layer_parameters"]
 
@@ -63,7 +63,9 @@ def frozen_layer_parameters(layers: Sequence[nn.Module]) -> List[List[nn.Paramet
 
 
 def _streamable(p: nn.Parameter) -> bool:
-    return type(p) is nn.Parameter or (_is_params4bit(p) and getattr(p, "quant_state", None) is not None)
+    if type(p) is nn.Parameter or (stands_for_plain(p) and isinstance(p, nn.Parameter)):
+        return True
+    return _is_params4bit(p) and getattr(p, "quant_state", None) is not None
 
 
 def _is_params4bit(p: torch.Tensor) -> bool:

@@ -1,0 +1,187 @@
+"""Will it fit? The memory of every mode for a model at the target scale, counted on the CPU on fake tensors.
+
+    python -m lightning_ac.estimate --model llama3-8b --seq 8192 32768 --device-memory 80GiB
+
+Each mode's training step runs once per length on fake tensors (shapes and dtypes, no memory): the model built on the
+meta device, the suite applied by a real Lightning ``Trainer`` with the mode's callbacks, every storage counted as it
+is made and freed. See :func:`estimate`; the modules, one job each:
+
+    :mod:`~lightning_ac.estimate.models`: the config (presets, files, model types, ``--set``) and the model on meta.
+    :mod:`~lightning_ac.estimate.modes`: the benchmark's modes, and ``chunked_loss`` as a setting of any of them.
+    :mod:`~lightning_ac.estimate.tracker`: the O(1)-per-op memory tracker, by storage identity.
+    :mod:`~lightning_ac.estimate.isolation`: the fake session, and what it puts back for the caller.
+    :mod:`~lightning_ac.estimate.step`: one fake training step of one mode.
+    :mod:`~lightning_ac.estimate.fit`: fits or not (with a stated margin), and the longest length that fits.
+    :mod:`~lightning_ac.estimate.results`: the typed results.
+    :mod:`~lightning_ac.estimate.render`: the markdown table.
+    :mod:`~lightning_ac.estimate.cli`: ``python -m lightning_ac.estimate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
+from lightning_ac.estimate.isolation import fake_session
+from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
+from lightning_ac.estimate.models import lora_targets as _targets_of
+from lightning_ac.estimate.modes import known_modes, resolve_modes
+from lightning_ac.estimate.results import Estimate, LongestFit, StepEstimate
+from lightning_ac.estimate.step import OPTIMIZERS, fake_step
+
+__all__ = [
+    "DTYPES",
+    "NOTES",
+    "Estimate",
+    "EstimateError",
+    "LongestFit",
+    "OPTIMIZERS",
+    "StepEstimate",
+    "estimate",
+    "known_modes",
+    "presets",
+]
+
+DTYPES = ("bfloat16", "float16", "float32")
+NOTES = [
+    "not seen: allocator fragmentation and the CUDA context (the margin stands for them), kernels' internal "
+    "workspaces (cuBLAS, attention), custom or Triton kernels (a fake step needs a fake implementation of each op)",
+    "attention: the CPU's SDPA kernel saves what CUDA's flash kernel saves (q, k, v, out, logsumexp) for causal "
+    "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors",
+    "the step is the one after a first: the step before's gradients exist until Lightning zeroes them after the "
+    "forward; the optimizer's state exists; on a CUDA target the optimizer runs its foreach implementation, as there",
+    "offloading: host is host memory the offload engines hold (a pool apart from the device's); the copies run "
+    "as on a CPU trainer (copy_on_host), without the accelerator's pinned pool of 1 MiB size classes",
+]
+
+
+def _check(
+    seq: Sequence[int], batch: int, dtype: str, lora: Optional[int], optimizer: str, target: str, seq_step: int
+) -> None:
+    if not seq:
+        raise EstimateError("--seq: give at least one sequence length")
+    for name, values in (("--seq", list(seq)), ("--batch", [batch]), ("--seq-step", [seq_step])):
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise EstimateError(f"{name} {bad[0]!r}: expected a whole number >= 1")
+    if dtype not in DTYPES:
+        raise EstimateError(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
+        raise EstimateError(f"--lora {lora!r}: expected a rank >= 1 (or --full-finetune)")
+    if optimizer not in OPTIMIZERS:
+        raise EstimateError(f"--optimizer {optimizer}: choose from {', '.join(OPTIMIZERS)}")
+    if target not in ("cuda", "cpu"):
+        raise EstimateError(f"target {target!r}: cuda (allocations rounded to 512 bytes) or cpu (exact bytes)")
+
+
+def _device_bytes(device_memory: Union[int, str, Sequence[Union[int, str]], None]) -> List[int]:
+    if device_memory is None:
+        return []
+    from lightning_ac.config import ConfigError, parse_size
+
+    sizes = [device_memory] if isinstance(device_memory, (int, str)) else list(device_memory)
+    try:
+        return [parse_size(size, "--device-memory") for size in sizes]
+    except ConfigError as err:
+        raise EstimateError(str(err).replace(" Give the activation memory one training step may use.", "")) from None
+
+
+def estimate(
+    model: str,
+    seq: Union[int, Sequence[int]],
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    lora: Optional[int] = 16,
+    full_finetune: bool = False,
+    lora_targets: Optional[Sequence[str]] = None,
+    optimizer: str = "adamw",
+    modes: Optional[Sequence[str]] = None,
+    device_memory: Union[int, str, Sequence[Union[int, str]], None] = None,
+    overrides: Optional[Mapping[str, Any]] = None,
+    target: str = "cuda",
+    longest: bool = True,
+    seq_step: int = 512,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Estimate:
+    """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
+
+    Args:
+        model: A preset (:func:`presets`: ``llama3-8b``...), a ``config.json`` or model directory, or a transformers
+            model type (``llama``, ``qwen3``...), built from its config; nothing is downloaded.
+        seq: Tokens per sequence: one length or several.
+        batch: Sequences per step.
+        dtype: The weights' dtype: ``bfloat16``, ``float16`` or ``float32``.
+        lora: LoRA's rank (PEFT's default target modules for the model type, or ``lora_targets``); ignored with
+            ``full_finetune``.
+        full_finetune: Train every parameter instead of LoRA adapters.
+        lora_targets: The modules LoRA adapts, instead of PEFT's default for the model type.
+        optimizer: ``adamw``, ``sgd`` (no momentum: no state) or ``none`` (gradients, no step).
+        modes: Mode names (:func:`known_modes`), ``NAME+chunked_loss``, or ``chunked_loss`` (each mode with the
+            chunked loss too); every suite mode when ``None``.
+        device_memory: The device's size (bytes, or ``"80GiB"``), or several: each step says whether it fits each,
+            with a stated margin (:data:`lightning_ac.estimate.fit.MARGIN_NOTE`), and each mode its longest length
+            that fits each.
+        overrides: Config values to set (``{"num_hidden_layers": 2}``; dotted keys reach nested configs).
+        target: ``cuda`` (allocations rounded to the CUDA allocator's 512 bytes) or ``cpu`` (exact bytes, as a CPU
+            run's measurement counts them).
+        longest: With ``device_memory``, search each mode's longest length that fits (fake steps of their own).
+        seq_step: The granularity of that search.
+        progress: Called with a line as each fake step ends.
+
+    Returns:
+        An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
+
+    Raises:
+        EstimateError: For arguments that cannot be estimated (before any step runs), an op without a fake
+            implementation (naming the op and the mode), or a mode the model does not take.
+    """
+    seqs = [seq] if isinstance(seq, int) else list(seq)
+    _check(seqs, batch, dtype, None if full_finetune else lora, optimizer, target, seq_step)
+    devices = _device_bytes(device_memory)
+    training = Training(None) if full_finetune else Training(lora, tuple(lora_targets) if lora_targets else None)
+    chosen = resolve_modes(modes, training.full_finetune)
+    config = load_config(model, overrides or {})
+    torch_dtype = getattr(torch, dtype)
+    with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
+        shape = build_model(config, torch_dtype, training)
+    result = Estimate(
+        model=model,
+        description=describe(config, shape),
+        dtype=dtype,
+        training=training.describe(None if training.full_finetune else _targets_of(config, training)),
+        optimizer=optimizer,
+        target=target,
+        device_memory_bytes=devices,
+        notes=list(NOTES) + ([MARGIN_NOTE] if devices else []),
+    )
+    del shape
+
+    def run(mode: Any, length: int) -> StepEstimate:
+        step = fake_step(config, torch_dtype, training, mode, length, batch, optimizer, target)
+        if devices:
+            on = [fits(step, device) for device in devices]
+            step = dataclasses.replace(step, fits=on[0], fits_on=on, margin_bytes=margin_bytes(step.device_total_bytes))
+        if progress is not None:
+            from lightning_ac.estimate.render import progress_line
+
+            progress(progress_line(step))
+        return step
+
+    for mode in chosen:
+        for length in seqs:
+            result.steps.append(run(mode, length))
+    searched: dict = {}  # (mode, length) -> step: the search on one size reuses the steps it made on another
+    for device in devices if longest else []:
+        for mode in chosen:
+            known = [s for s in result.steps if s.mode == mode.name]
+            known += [s for (name, _), s in searched.items() if name == mode.name]
+
+            def probe(length: int, mode: Any = mode) -> StepEstimate:
+                searched[mode.name, length] = step = run(mode, length)
+                return step
+
+            result.longest.append(longest_fit(mode.name, known, probe, device, seq_step))
+    return result

@@ -1,0 +1,3 @@
+from lightning_ac.estimate.cli import main
+
+main()

@@ -1,0 +1,140 @@
+"""``python -m lightning_ac.estimate``: the estimate's table on stdout, a progress line per fake step on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from lightning_ac.estimate import DTYPES, OPTIMIZERS, Estimate, EstimateError, estimate, known_modes, presets
+from lightning_ac.estimate.models import parse_set
+from lightning_ac.estimate.render import markdown
+
+__all__ = ["main", "parser"]
+
+JSON_FIELDS = (
+    "mode",
+    "seq",
+    "batch",
+    "parameter_bytes",
+    "buffer_bytes",
+    "gradient_bytes",
+    "optimizer_bytes",
+    "activation_peak_bytes",
+    "activation_peak_at",
+    "head_bytes",
+    "layer_saved_bytes",
+    "layer_input_bytes",
+    "outside_bytes",
+    "streamed_weight_bytes",
+    "host_bytes",
+    "flops",
+    "device_total_bytes",
+    "margin_bytes",
+    "fits",
+    "fits_on",
+    "seconds",
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_ac.estimate",
+        description="Will it fit? Every mode's memory for one training step of a model at the target scale, counted "
+        "on the CPU on fake tensors (no memory allocated, nothing downloaded).",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(presets())}), a config.json or model directory, or a transformers model type",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config value (repeatable): --set hidden_size=64 --set num_hidden_layers=2",
+    )
+    p.add_argument("--seq", type=int, nargs="+", required=True, help="tokens per sequence (one or more lengths)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default bfloat16)")
+    training = p.add_mutually_exclusive_group()
+    training.add_argument("--lora", type=int, default=16, metavar="R", help="LoRA's rank (default 16)")
+    training.add_argument("--full-finetune", action="store_true", help="train every parameter instead of LoRA")
+    p.add_argument(
+        "--lora-targets", nargs="+", default=None, help="the modules LoRA adapts (default: PEFT's for the model type)"
+    )
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        metavar="MODE",
+        help=f"default: every mode ({', '.join(known_modes())}; NAME+chunked_loss; chunked_loss adds each with it)",
+    )
+    p.add_argument(
+        "--device-memory",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="the device's size (80GiB, 24GB), or several: fits or not, and the longest length that fits",
+    )
+    p.add_argument(
+        "--seq-step", type=int, default=512, help="granularity of the longest-length search (default 512 tokens)"
+    )
+    p.add_argument(
+        "--no-longest", action="store_true", help="with --device-memory, skip the search for the longest length"
+    )
+    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda", help="cuda rounds allocations to 512 bytes")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def to_json(result: Estimate) -> dict:
+    """The JSON the CLI writes: the run's description, one object per mode and length, and the longest fits."""
+    return {
+        "model": result.model,
+        "description": result.description,
+        "dtype": result.dtype,
+        "training": result.training,
+        "optimizer": result.optimizer,
+        "target": result.target,
+        "device_memory_bytes": result.device_memory_bytes,
+        "steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.steps],
+        "longest": [vars(fit) for fit in result.longest],
+        "notes": result.notes,
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> Estimate:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        overrides = dict(parse_set(item) for item in args.sets)
+        result = estimate(
+            args.model,
+            args.seq,
+            batch=args.batch,
+            dtype=args.dtype,
+            lora=None if args.full_finetune else args.lora,
+            full_finetune=args.full_finetune,
+            lora_targets=args.lora_targets,
+            optimizer=args.optimizer,
+            modes=args.modes,
+            device_memory=args.device_memory,
+            overrides=overrides,
+            target=args.target,
+            longest=not args.no_longest,
+            seq_step=args.seq_step,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except EstimateError as err:
+        p.error(str(err))
+    print(markdown(result), end="")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    return result

@@ -1,0 +1,182 @@
+"""The model an estimate is for: its config (a preset, a config file, or a transformers model type with overrides),
+built on the meta device, with LoRA or for a full fine-tune. Nothing is downloaded; no memory is allocated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "PRESETS_DIR",
+    "EstimateError",
+    "Training",
+    "build_model",
+    "describe",
+    "load_config",
+    "parse_set",
+    "presets",
+]
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+class EstimateError(ValueError):
+    """An estimate that cannot be made as asked: the message names what, and what to do instead."""
+
+
+def presets() -> List[str]:
+    """The names of the presets shipped with the package (``llama3-8b``...)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def parse_set(item: str) -> tuple:
+    """``key=value`` from ``--set``: the value read as JSON where it is (``64``, ``1e-5``, ``true``, ``null``,
+    ``[1, 2]``), else as text."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise EstimateError(f"--set {item!r}: expected key=value, e.g. --set num_hidden_layers=2")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return key, value
+
+
+def _read_json(path: Path, what: str) -> Dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise EstimateError(f"{what}: cannot read {path} as JSON ({err})") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise EstimateError(f"{what}: {path} holds no model_type; is it a transformers config.json?")
+    return data
+
+
+def _base_config(model: str) -> Dict[str, Any]:
+    """The config a ``--model`` names, as a dict: a preset, a config file or model directory, or a model type."""
+    preset = PRESETS_DIR / f"{model}.json"
+    if preset.is_file():
+        return {k: v for k, v in _read_json(preset, f"--model {model}").items() if not k.startswith("_")}
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise EstimateError(f"--model {model}: the directory holds no config.json")
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise EstimateError(f"--model {model}: no such file")
+        data = _read_json(path, f"--model {model}")
+        text = data.get("text_config")
+        if isinstance(text, dict) and data.get("model_type", "").startswith("gemma3"):
+            # a multimodal Gemma 3 checkpoint: its language model, which is what trains here
+            data = {**text, "model_type": "gemma3_text"}
+        return data
+    from transformers import CONFIG_MAPPING
+
+    if model in CONFIG_MAPPING:
+        return {"model_type": model}
+    raise EstimateError(
+        f"--model {model}: not a preset ({', '.join(presets())}), a config.json or model directory, or a transformers "
+        "model type (llama, qwen3, gemma3_text, ...)"
+    )
+
+
+def load_config(model: str, overrides: Mapping[str, Any] = (), attention: str = "sdpa") -> Any:
+    """The transformers config ``model`` names, with ``overrides`` applied (dotted keys reach nested configs:
+    ``text_config.hidden_size``). A ``layer_types`` list from the file is dropped when ``num_hidden_layers`` is
+    overridden without it (the model's default pattern for the new depth is used)."""
+    from transformers import AutoConfig
+
+    data = _base_config(model)
+    overrides = dict(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        data.pop("layer_types", None)
+    for key, value in overrides.items():
+        target = data
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise EstimateError(f"--set {key}: {parent} is not a nested config")
+        target[leaf] = value
+    model_type = data.pop("model_type")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
+        data.pop(key, None)
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError) as err:
+        raise EstimateError(f"--model {model}: transformers rejects the config: {err}") from err
+    config._attn_implementation = attention
+    return config
+
+
+@dataclass(frozen=True)
+class Training:
+    """What trains: LoRA adapters of rank ``lora_rank`` on ``lora_targets`` (PEFT's defaults for the model type when
+    ``None``), or every parameter (``lora_rank=None``)."""
+
+    lora_rank: Optional[int] = 16
+    lora_targets: Optional[Sequence[str]] = None
+
+    @property
+    def full_finetune(self) -> bool:
+        return self.lora_rank is None
+
+    def describe(self, targets: Optional[Sequence[str]] = None) -> str:
+        if self.full_finetune:
+            return "full fine-tune"
+        shown = f" ({', '.join(targets)})" if targets else ""
+        return f"lora r={self.lora_rank}{shown}"
+
+
+def lora_targets(config: Any, training: Training) -> List[str]:
+    """The modules LoRA adapts: the given ones, else PEFT's default for the model type, else the attention's q and v
+    projections where the model has them."""
+    if training.lora_targets:
+        return list(training.lora_targets)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    found = DEFAULTS.get(config.model_type)
+    if found:
+        return list(found)
+    return ["q_proj", "v_proj"]
+
+
+def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any = "meta") -> nn.Module:
+    """The causal LM for ``config`` on ``device`` (the estimate's: meta) in ``dtype``, with LoRA adapters (PEFT,
+    trainable, the rest frozen) or every parameter trainable. PEFT keeps fp16/bf16 adapters in float32, as it does by
+    default. The tests build the real model they measure with it, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if training.full_finetune:
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(config, training)
+    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, target_modules=targets)
+    try:
+        with torch.device(device):
+            return get_peft_model(model, lora)
+    except ValueError as err:
+        raise EstimateError(
+            f"LoRA on {config.model_type}: {err}. Name the modules to adapt (lora_targets=[...], --lora-targets)"
+        ) from err
+
+
+def describe(config: Any, model: nn.Module) -> str:
+    """The model's shape in one line."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (
+        f"{config.model_type}: {params / 1e9:.2f} B parameters ({trainable / 1e6:.1f} M trainable), "
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}"
+    )

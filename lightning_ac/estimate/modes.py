@@ -1,0 +1,98 @@
+"""The modes an estimate runs: the benchmark's mode table (one definition of the modes, used by both), and
+``chunked_loss`` as one more setting of any of them (``full+chunked_loss``).
+
+The benchmark's budget rows place a budget between two measured peaks and settle over several steps; the budget's
+plan from an estimate is not made here yet. Its compiled rows and anchors are not the suite's block, and fake tensors
+do not compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from lightning_ac.estimate.models import EstimateError
+
+__all__ = ["CHUNKED", "Mode", "default_modes", "known_modes", "resolve_modes"]
+
+CHUNKED = "chunked_loss"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One mode: its name, its ``activation_checkpointing`` block, and layer offloading's resident layers
+    (``None``: no layer offloading; ``"L/4"``: a quarter of the decoder layers)."""
+
+    name: str
+    block: Any
+    layer_offload: Optional[str] = None
+
+    def resident_layers(self, layers: int) -> int:
+        value = self.layer_offload or "0"
+        return max(1, layers // 4) if value == "L/4" else int(value)
+
+
+def _table() -> Dict[str, Mode]:
+    """The benchmark's suite modes (those it runs on an accelerator too) and its layer-offloading modes (with full
+    checkpointing, as the benchmark runs them), by name."""
+    import lightning_ac.bench as bench
+
+    try:  # the modes that run on an accelerator only: not among bench's public names yet
+        from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES  # type: ignore[import-not-found]
+    except ImportError:
+        from lightning_ac.bench.harness import ACCELERATOR_SUITE_MODES
+    skipped = {**bench.BUDGET_MODES}
+    table: Dict[str, Mode] = {}
+    for name, block in {**bench.MODES, **ACCELERATOR_SUITE_MODES}.items():
+        if name in skipped or callable(block) or name.endswith("_compiled"):
+            continue
+        table[name] = Mode(name, block)
+    for name, resident in bench.LAYER_OFFLOAD_MODES.items():
+        if resident is not None:  # the table's baseline without layer offloading is `full`
+            table[name] = Mode(name, True, resident)
+    return table
+
+
+def known_modes() -> List[str]:
+    """Every mode name an estimate takes, ``chunked_loss`` last."""
+    return list(_table()) + [CHUNKED]
+
+
+def default_modes(full_finetune: bool) -> List[str]:
+    """The modes an estimate runs when none are named: every suite mode (layer offloading only where frozen weights
+    exist to stream)."""
+    return [m.name for m in _table().values() if not (full_finetune and m.layer_offload is not None)]
+
+
+def _with_chunked(block: Any) -> Any:
+    if block is False:
+        return {"enabled": False, "chunked_loss": True}
+    if block is True:
+        return {"chunked_loss": True}
+    return {**block, "chunked_loss": True}
+
+
+def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool) -> List[Mode]:
+    """The modes ``names`` ask for: mode names, ``name+chunked_loss``, and ``chunked_loss`` alone, which adds each
+    other mode asked for (every mode, when it is alone) with the chunked loss too."""
+    table = _table()
+    names = list(names) if names else default_modes(full_finetune)
+    chunk_all = CHUNKED in names
+    names = [n for n in names if n != CHUNKED] or (default_modes(full_finetune) if chunk_all else [])
+    modes: List[Mode] = []
+    for name in names:
+        base, _, setting = name.partition("+")
+        if base not in table or setting not in ("", CHUNKED):
+            raise EstimateError(
+                f"--modes {name}: unknown mode; choose from {', '.join(known_modes())} (and NAME+{CHUNKED})"
+            )
+        mode = table[base]
+        if full_finetune and mode.layer_offload is not None:
+            raise EstimateError(
+                f"--modes {name}: layer offloading streams frozen weights, and a full fine-tune has none; use --lora R"
+            )
+        modes.append(mode if not setting else Mode(name, _with_chunked(mode.block), mode.layer_offload))
+        if chunk_all and not setting:
+            modes.append(Mode(f"{base}+{CHUNKED}", _with_chunked(mode.block), mode.layer_offload))
+    seen = set()
+    return [m for m in modes if not (m.name in seen or seen.add(m.name))]

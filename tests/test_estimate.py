@@ -1,0 +1,367 @@
+"""The estimate (lightning_ac.estimate): a fake step counts what the same real step measures on the CPU, to the byte;
+the caller's process is left as it was; the CLI's output and its refusals; the longest-length search."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import lightning_ac.estimate as estimate_module
+from lightning_ac.bench.memory import StepMetrics
+from lightning_ac.estimate import EstimateError, estimate
+from lightning_ac.estimate.cli import JSON_FIELDS, main
+from lightning_ac.estimate.fit import fits, longest_fit, margin_bytes
+from lightning_ac.estimate.models import Training, build_model, load_config, parse_set
+from lightning_ac.estimate.modes import resolve_modes
+from lightning_ac.estimate.results import StepEstimate
+from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks, step_trainer
+
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = Training(4, tuple(ALL_LINEARS))
+FULL = Training(None)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A model directory holding the tests' tiny Llama's config.json (tests/conftest.py tiny_config)."""
+    tiny_config("llama").save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
+class _Measured(_StepModule):
+    """The estimate's training step and optimizer, trained for real: the first step makes the gradients and the
+    optimizer state the estimate's fake step starts from."""
+
+    def on_train_start(self) -> None:
+        pass
+
+
+def _nbytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        seen.setdefault(id(t.untyped_storage()), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw"):
+    """The same step measured for real on the CPU: two steps of a real Trainer, the second measured by the
+    benchmark's StepMetrics (lightning_ac.memory.measure_step); and the callbacks, module and optimizer after it."""
+    torch.manual_seed(0)
+    model = build_model(config, dtype, training, device="cpu")
+    callbacks = mode_callbacks(mode, config.num_hidden_layers)
+    metrics = StepMetrics(measure_step=1, warmup_steps=0)
+    trainer = step_trainer([*callbacks, metrics], max_steps=2)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    module = _Measured(model, optimizer, foreach=False)
+    trainer.fit(module, torch.utils.data.DataLoader([ids, ids], batch_size=None))
+    return metrics.peak.activation_bytes, callbacks, module, trainer
+
+
+# (family, config overrides, dtype, training, optimizer, seq, modes): every mode and composition the estimate runs; the
+# default run keeps one of each kind (about a minute), the slow run adds the rest
+SLOW = pytest.mark.slow
+CASES = [
+    ("llama", {}, torch.float32, LORA, "sgd", 32, ["off", "full", "every_2", "selective_attn"]),
+    ("llama", {}, torch.float32, LORA, "adamw", 32, ["offload_hidden", "offload_hidden_selective", "layer_offload"]),
+    ("qwen3", {}, torch.float32, LORA, "adamw", 32, ["off", "selective_attn"]),
+    ("gemma3_text", {}, torch.bfloat16, LORA, "adamw", 32, ["every_2", "selective_attn+chunked_loss"]),
+    # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
+    ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
+    ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
+    pytest.param(
+        "llama", {}, torch.bfloat16, LORA, "adamw", 32, ["full", "off+chunked_loss", "selective_attn_mm"], marks=SLOW
+    ),
+    # 256 tokens: activations above offload.all's 64 KiB floor, so that it moves something
+    pytest.param(
+        "llama",
+        {},
+        torch.bfloat16,
+        LORA,
+        "adamw",
+        256,
+        ["offload_all", "offload_only", "layer_offload_resident"],
+        marks=SLOW,
+    ),  # fmt: skip
+    pytest.param("llama", {}, torch.bfloat16, FULL, "sgd", 32, ["every_2", "offload_hidden"], marks=SLOW),
+    pytest.param("qwen3", {}, torch.float32, LORA, "sgd", 32, ["full+chunked_loss"], marks=SLOW),
+    pytest.param("gemma3_text", {}, torch.bfloat16, LORA, "sgd", 32, ["off"], marks=SLOW),
+    pytest.param("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "sgd", 32, ["off"], marks=SLOW),
+]
+
+
+def _case_id(case) -> str:
+    family, _, dtype, training, optimizer, seq, _ = case.values if hasattr(case, "values") else case
+    return f"{family}-{str(dtype)[6:]}-{'full' if training.full_finetune else 'lora'}-{optimizer}-{seq}"
+
+
+@pytest.mark.parametrize(
+    "family, overrides, dtype, training, optimizer, seq, modes",
+    CASES,
+    ids=[_case_id(c) for c in CASES],
+)
+def test_the_estimate_equals_the_measured_cpu_step(family, overrides, dtype, training, optimizer, seq, modes):
+    """The fake step's activation peak is what measure_step measures around the same real step, to the byte; so are
+    the parameters, gradients and optimizer state.
+
+    Named differences: on the CPU the host is the device, so measure_step counts what the offload engines hold in host
+    memory, and layer offloading's device copies of the layers, as activations; the estimate counts them apart
+    (``host_bytes``, ``streamed_weight_bytes``), and its one-memory peak, which adds them back, is the figure equal to
+    the CPU's (the same as the activation peak when nothing is offloaded)."""
+    config = tiny_config(family, **overrides)
+    for mode in resolve_modes(modes, training.full_finetune):
+        fake = fake_step(config, dtype, training, mode, seq, 2, optimizer, target="cpu")
+        measured, callbacks, module, trainer = _measure(config, dtype, training, mode, seq, optimizer=optimizer)
+        assert fake.one_memory_peak_bytes == measured, mode.name
+        moved = fake.host_bytes > 0 or fake.streamed_weight_bytes > 0
+        if not moved:
+            assert fake.activation_peak_bytes == measured, mode.name
+        params = list(module.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        assert fake.gradient_bytes == _nbytes(p.grad for p in trainable), mode.name
+        assert fake.optimizer_bytes == _nbytes(state), mode.name
+        streamer = [cb for cb in callbacks if type(cb).__name__ == "LayerOffload"]
+        if streamer:
+            # the streamed layers' weights live in host memory; the device holds the rest, and at most the layers
+            # LayerOffload reports at once
+            host = streamer[0].host_bytes
+            assert fake.parameter_bytes == _nbytes(params) - host, mode.name
+            assert fake.host_bytes == host
+            per_layer = host / (config.num_hidden_layers - mode.resident_layers(config.num_hidden_layers))
+            assert fake.streamed_weight_bytes == streamer[0].last_step["max_resident_layers"] * per_layer
+        else:
+            assert fake.parameter_bytes == _nbytes(params), mode.name
+        if "offload" in mode.name and "layer" not in mode.name:
+            assert fake.host_bytes > 0 and fake.activation_peak_bytes < measured, mode.name  # moved off the device
+
+
+def test_the_breakdown_adds_up():
+    """Where the activations are when the head starts: recomputed layers keep their input only; kept layers their
+    saves; the head's working set dominates a real vocabulary's step (here a tiny one); FLOPs count the recompute."""
+    config = tiny_config("llama")
+    off, full, every_2 = (
+        fake_step(config, torch.float32, LORA, mode, 64, 2, "adamw", target="cpu")
+        for mode in resolve_modes(["off", "full", "every_2"], False)
+    )
+    assert full.layer_saved_bytes == [0, 0, 0, 0] and min(off.layer_saved_bytes) > 0
+    assert every_2.layer_saved_bytes[0] == 0 and every_2.layer_saved_bytes[1] == off.layer_saved_bytes[1]
+    assert off.layer_input_bytes == full.layer_input_bytes > 0 and full.head_bytes > 0
+    assert off.flops["recompute"] == 0 and full.flops["recompute"] > 0
+    assert 0 < every_2.flops["recompute"] < full.flops["recompute"]
+    assert off.flops["forward"] == full.flops["forward"]
+    assert full.device_total_bytes > full.parameter_bytes + full.activation_peak_bytes // 2
+
+
+def test_a_cuda_target_rounds_every_allocation():
+    """CUDA's caching allocator hands out 512-byte blocks: every storage counts rounded up, so the CUDA figures are
+    at least the exact ones."""
+    config = tiny_config("llama")
+    mode = resolve_modes(["full"], False)[0]
+    exact = fake_step(config, torch.float32, LORA, mode, 16, 1, "adamw", target="cpu")
+    cuda = fake_step(config, torch.float32, LORA, mode, 16, 1, "adamw", target="cuda")
+    assert cuda.activation_peak_bytes > exact.activation_peak_bytes
+    assert cuda.parameter_bytes > exact.parameter_bytes and cuda.parameter_bytes % 512 == 0
+
+
+def _caller_state():
+    import transformers.masking_utils as masking_utils
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import lightning_ac.offload.device as device
+    import lightning_ac.offload.engine as engine
+    import lightning_ac.offload.weights as weights
+
+    return {
+        "torch rng": torch.get_rng_state(),
+        "python rng": random.getstate(),
+        "dtype": torch.get_default_dtype(),
+        "device": torch.get_default_device(),
+        "packed": masking_utils.find_packed_sequence_indices,
+        "data_ptr patched": "data_ptr" in torch.UntypedStorage.__dict__,
+        "fake cache": set(FakeTensorMode.cache),
+        "dispatch modes": len(_get_current_dispatch_mode_stack()),
+        "stand-ins": list(device._plain_standins),
+        "host limits": (engine.host_limit, weights.host_limit),
+        "engines": (engine.TransferEngine.__dict__["_host_buffer"], weights.LayerWeightStreamer.__dict__["_load"]),
+        "loggers": [logging.getLogger(n).level for n in ("lightning.pytorch", "lightning_ac", "transformers")],
+        "warning filters": list(warnings.filters),
+    }
+
+
+def _assert_unchanged(before, after):
+    for key, value in before.items():
+        assert torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key], key
+
+
+def test_the_caller_state_is_left_as_it_was(tiny_dir):
+    """RNG, default dtype and device, the patched transformers function, the storage pointer, fake-mode caches, the
+    engines' seams, log levels and warning filters are the caller's again after an estimate (one that raised too)."""
+    torch.manual_seed(123)
+    random.seed(5)
+    before = _caller_state()
+    result = estimate(tiny_dir, seq=16, batch=1, modes=["full", "offload_hidden", "layer_offload"])
+    _assert_unchanged(before, _caller_state())
+    assert [s.mode for s in result.steps] == ["full", "offload_hidden", "layer_offload"]
+    moe = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **MOE}
+    with pytest.raises(EstimateError, match="_grouped_mm"):  # raised inside the fake step
+        estimate("qwen3_moe", seq=16, dtype="float32", overrides=moe, modes=["off"])
+    _assert_unchanged(before, _caller_state())
+
+
+def test_an_op_without_a_fake_implementation_names_the_op_and_the_mode(monkeypatch):
+    """A custom kernel without a fake implementation stops the estimate with the op and the mode named."""
+    from transformers.models.llama import modeling_llama
+
+    @torch.library.custom_op("lightning_ac_estimate_test::opaque_mlp", mutates_args=())
+    def opaque(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: opaque(original(self, x)))
+    mode = resolve_modes(["every_2"], False)[0]
+    with pytest.raises(EstimateError, match=r"mode every_2: the op .*opaque_mlp.* fake"):
+        fake_step(tiny_config("llama"), torch.float32, LORA, mode, 16, 1, "adamw")
+    # grouped_mm's meta function takes bf16 only: an fp32 MoE says which op
+    mode = resolve_modes(["off"], False)[0]
+    with pytest.raises(EstimateError, match=r"mode off: the op aten._grouped_mm"):
+        fake_step(tiny_config("qwen3_moe", **MOE), torch.float32, Training(4, ("q_proj",)), mode, 16, 1, "adamw")
+
+
+def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
+    path = tmp_path / "out" / "estimate.json"
+    main(
+        [
+            "--model",
+            tiny_dir,
+            "--set",
+            "num_hidden_layers=2",
+            "--set",
+            "rms_norm_eps=1e-5",
+            "--seq",
+            "32",
+            "64",
+            "--batch",
+            "2",
+            "--modes",
+            "full",
+            "chunked_loss",
+        ]
+        + ["--device-memory", "1.2GiB", "600MiB", "--seq-step", "1024", "--json", str(path), "--optimizer", "sgd"]
+    )
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{tiny_dir}: llama: ") and "2 layers" in out and "| mode | seq x batch | weights |" in out
+    rows = [line for line in out.split("Longest")[0].splitlines() if line.startswith("| `")]
+    assert [r.split("|")[1].strip() for r in rows] == ["`full`"] * 2 + ["`full+chunked_loss`"] * 2
+    assert "| fits 1.20 | fits 0.59 |" in out and "fits: the device total plus an assumed margin" in out
+    assert "| mode | 1.20 | 0.59 |" in out.split("Longest sequence that fits (batch 2, GiB):")[1]
+    assert err.count("estimate: ") >= 4  # a progress line per fake step: 2 modes x 2 lengths, then the search
+    data = json.loads(path.read_text())
+    assert len(data["steps"]) == 4 and {s["mode"] for s in data["steps"]} == {"full", "full+chunked_loss"}
+    for s in data["steps"]:
+        assert set(s) == set(JSON_FIELDS) and isinstance(s["layer_saved_bytes"], list)
+        assert s["fits"] is True and s["fits_on"] == [True, False]  # the context's 1 GiB margin alone is over 600 MiB
+        assert s["device_total_bytes"] > s["activation_peak_bytes"] > 0 and s["seq"] in (32, 64) and s["batch"] == 2
+    assert [(f["mode"], f["device_memory_bytes"]) for f in data["longest"]] == [
+        ("full", int(1.2 * 2**30)),
+        ("full+chunked_loss", int(1.2 * 2**30)),
+        ("full", 600 * 2**20),
+        ("full+chunked_loss", 600 * 2**20),
+    ]
+    assert data["longest"][1]["seq"] >= data["longest"][0]["seq"] > 64 and data["longest"][2]["seq"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq", "0"], "--seq 0: expected a whole number >= 1"),
+        (["--seq", "16", "--batch", "0"], "--batch 0"),
+        (["--seq", "16", "--modes", "fast"], "--modes fast: unknown mode"),
+        (["--seq", "16", "--modes", "full+compiled"], "--modes full+compiled: unknown mode"),
+        (["--seq", "16", "--device-memory", "80 parsecs"], "--device-memory"),
+        (["--seq", "16", "--set", "hidden_size"], "expected key=value"),
+        (["--seq", "16", "--lora", "0"], "--lora 0"),
+        (["--seq", "16", "--full-finetune", "--modes", "layer_offload"], "a full fine-tune has none"),
+        (["--seq", "16", "--seq-step", "-1"], "--seq-step -1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(monkeypatch, capsys, argv, message):
+    def no_step(*args, **kwargs):
+        raise AssertionError("a fake step ran")
+
+    monkeypatch.setattr(estimate_module, "fake_step", no_step)
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "llama", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_models_and_configs_are_refused(tmp_path):
+    with pytest.raises(EstimateError, match="not a preset .*llama3-8b.*, a config.json"):
+        load_config("no-such-model")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(EstimateError, match="holds no model_type"):
+        load_config(str(tmp_path))
+    assert parse_set("rms_norm_eps=1e-5") == ("rms_norm_eps", 1e-5) and parse_set("act=silu") == ("act", "silu")
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-8b", "mistral-7b", "gemma3-12b"])
+def test_presets_hold_the_public_shapes(preset):
+    """Each preset builds on meta with the published parameter count (within 1%)."""
+    published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "qwen3-8b": 8.19e9, "mistral-7b": 7.25e9,
+                 "gemma3-12b": 11.77e9}  # fmt: skip
+    model = build_model(load_config(preset), torch.bfloat16, FULL)
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert abs(count / published[preset] - 1) < 0.01, count
+
+
+def test_a_config_directory_and_overrides(tmp_path):
+    """A model directory's config.json is read from disk; --set reaches it; a layer_types list follows an
+    overridden depth."""
+    tiny_config("gemma3_text").save_pretrained(tmp_path)
+    config = load_config(str(tmp_path), {"num_hidden_layers": 6})
+    assert config.num_hidden_layers == 6 and len(config.layer_types) == 6
+
+
+def _line(seq: int, total: int) -> StepEstimate:
+    return StepEstimate("m", seq, 1, 0, 0, 0, 0, 0, "forward", 0, [], 0, 0, 0, 0, total, total, {}, 0.0)
+
+
+@pytest.mark.parametrize("curve", ["linear", "quadratic", "flat"])
+def test_the_longest_fit_is_the_longest_that_fits(curve):
+    """The secant search finds what a search over every length finds, in a few fake steps."""
+    shape = {
+        "linear": lambda s: 10 * 2**30 + s * 2**20,
+        "quadratic": lambda s: 10 * 2**30 + s * 2**20 + s * s * 10,
+        "flat": lambda s: 2**30,
+    }[curve]
+    runs = []
+
+    def run(seq):
+        runs.append(seq)
+        return _line(seq, int(shape(seq)))
+
+    device = 80 * 2**30
+    found = longest_fit("m", [run(8192), run(32768)], run, device, step=512, upper=2**18)
+    fitting = [s for s in range(512, 2**18 + 1, 512) if fits(_line(s, int(shape(s))), device)]
+    assert found.seq == max(fitting) and found.limited == (curve == "flat")
+    assert len(runs) <= 2 + (4 if curve != "flat" else 12)
+    assert margin_bytes(0) == 2**30
+
+
+def test_the_longest_fit_of_a_real_mode_fits_and_one_step_more_does_not(tiny_dir):
+    config = load_config(tiny_dir)
+    result = estimate(tiny_dir, seq=[64], batch=1, modes=["full"], device_memory="1.1GiB", seq_step=256)
+    longest = result.longest[0]
+    assert longest.seq > 64 and not longest.limited
+    mode = resolve_modes(["full"], False)[0]
+    training = Training(16)
+    assert fits(fake_step(config, torch.bfloat16, training, mode, longest.seq, 1), 1.1 * 2**30)
+    assert not fits(fake_step(config, torch.bfloat16, training, mode, longest.seq + 256, 1), 1.1 * 2**30)
