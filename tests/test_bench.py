@@ -62,7 +62,7 @@ COMPILED = [
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, monkeypatch, backend):
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
     compiles = []
 
@@ -70,7 +70,7 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
         compiles.append(gm)
         return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
-    monkeypatch.setattr(harness, "COMPILE_BACKEND", counting)  # aot_eager runs the graphs as traced: exact
+    monkeypatch.setattr(modes, "COMPILE_BACKEND", counting)  # aot_eager runs the graphs as traced: exact
     tiny_preset(monkeypatch, reps=2)
     rows = bench.main(["--preset", "tiny", "--modes", *COMPILED, "--out", str(tmp_path)])
     # the warm-up's graph, then every compiled row compiles afresh in each of the two repetitions (nothing reused
@@ -95,12 +95,12 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
 
 
 def test_compiled_rows_where_nothing_compiles_say_why_and_the_rest_runs(tmp_path, monkeypatch):
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
     def no_compiler(gm, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(harness, "COMPILE_BACKEND", no_compiler)
+    monkeypatch.setattr(modes, "COMPILE_BACKEND", no_compiler)
     tiny_preset(monkeypatch)
     rows = bench.main(["--preset", "tiny", "--modes", "full", "full_compiled", "--out", str(tmp_path)])
     by = {r.mode: r for r in rows}
@@ -110,14 +110,14 @@ def test_compiled_rows_where_nothing_compiles_say_why_and_the_rest_runs(tmp_path
 
 
 def test_the_compiled_rows_run_by_default_and_no_compiled_leaves_them_out():
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
-    compiled = set(harness.COMPILED_MODES) | set(harness.COMPILED_ANCHORS)
-    assert compiled <= set(harness.default_modes(on_accelerator=False))
-    assert not compiled & set(harness.default_modes(on_accelerator=True, compiled=False))
+    compiled = set(modes.COMPILED_MODES) | set(modes.COMPILED_ANCHORS)
+    assert compiled <= set(modes.default_modes(on_accelerator=False))
+    assert not compiled & set(modes.default_modes(on_accelerator=True, compiled=False))
     assert (
-        set(harness.default_modes(on_accelerator=False, compiled=False))
-        == set(harness.default_modes(on_accelerator=False)) - compiled
+        set(modes.default_modes(on_accelerator=False, compiled=False))
+        == set(modes.default_modes(on_accelerator=False)) - compiled
     )
 
 
