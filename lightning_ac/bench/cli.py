@@ -8,26 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from lightning_ac._logging import log
-from lightning_ac.bench.modes import (
-    ALL_COMPILED,
-    BUDGET_MODES,
-    LAYER_OFFLOAD_MODES,
-    MODES,
-    default_modes,
-    why_not_planned,
-)
+from lightning_ac.bench.goals import check_goals
+from lightning_ac.bench.modes import ALL_COMPILED, MODES, UNPLANNED, default_modes, why_not_planned
 from lightning_ac.bench.plot import plot
 from lightning_ac.bench.presets import PRESETS
-from lightning_ac.bench.run import Row, run_benchmark
+from lightning_ac.bench.run import Row, quiet, run_benchmark
 from lightning_ac.bench.tables import results_markdown
 
 __all__ = ["main"]
@@ -53,8 +44,7 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             f"--no-compiled leaves out the compiled rows, and --modes asks for {' '.join(compiled)}: drop "
             "--no-compiled, or those modes"
         )
-    unplanned = {**LAYER_OFFLOAD_MODES, **BUDGET_MODES, **ALL_COMPILED}
-    if args.budget_gib is not None and args.modes and all(m in unplanned for m in args.modes):
+    if args.budget_gib is not None and args.modes and all(m in UNPLANNED for m in args.modes):
         parser.error(
             f"--modes {' '.join(args.modes)} --budget-gib {args.budget_gib:g}: the planner compares the activation "
             "modes of one fixed choice (off, full, every_2, the selective and offload modes), and none of these is "
@@ -77,7 +67,11 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         "--preset", choices=sorted(PRESETS), default=None, help="default: cpu-small on CPU, gpu-8k on CUDA"
     )
     parser.add_argument(
-        "--modes", nargs="+", default=None, help=f"default: all that run here ({', '.join(MODES)}, ...)"
+        "--modes",
+        nargs="+",
+        default=None,
+        help=f"default: the preset's own rows where it has them (cpu-vocab: each mode with and without chunked_loss), "
+        f"else all that run here ({', '.join(MODES)}, ...)",
     )
     parser.add_argument(
         "--model", default=None, help="a transformers model type with the preset's sizes (qwen3), or a JSON config"
@@ -110,14 +104,17 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     args = parser.parse_args(argv)
     preset = args.preset or ("gpu-8k" if torch.cuda.is_available() else "cpu-small")
     _check_arguments(parser, args, preset)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    log.setLevel(logging.WARNING)  # the suite's own logger: the table below is the output
-    warnings.filterwarnings("ignore")
-    modes = args.modes or (default_modes(torch.cuda.is_available(), compiled=False) if args.no_compiled else None)
+    quiet()
+    modes = args.modes
+    if modes is None and args.no_compiled:
+        defaults = PRESETS[preset].get("modes") or default_modes(torch.cuda.is_available())
+        modes = [m for m in defaults if m not in ALL_COMPILED]
     rows = run_benchmark(preset, modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
-    table = results_markdown(rows)
+    verdicts = check_goals(rows, PRESETS[preset].get("goals", ()))
+    table = results_markdown(rows, verdicts)
     print(table)
-    print(f"results: {args.out / 'results.md'}, {args.out / 'results.json'}, {args.out / 'memory_time.png'}")
+    written = ["results.md", "results.json", "memory_time.png"] + (["goals.json"] if verdicts else [])
+    print(f"results: {', '.join(str(args.out / name) for name in written)}")
     advice = None
     if args.budget_gib is not None:
         from lightning_ac.bench.planner import explain, plan_mode, scaling_errors
@@ -126,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
         batch = args.batch or PRESETS[preset]["batch"]
         # the scaling check: measure every mode's peak at half the sequence too (activation modes: the layer
         # offloading modes train another model, LoRA, and save weights, not activations)
-        planned_rows = [r for r in rows if r.mode not in {**LAYER_OFFLOAD_MODES, **BUDGET_MODES, **ALL_COMPILED}]
+        planned_rows = [r for r in rows if r.mode not in UNPLANNED]
         unplanned = [r.mode for r in rows if r not in planned_rows]
         modes = [r.mode for r in planned_rows if r.status == "ok"]
         half = run_benchmark(preset, modes, seq // 2, batch, args.dtype, reps=1, steps=1, model=args.model)
@@ -143,5 +140,8 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
             (args.out / "plan.txt").write_text(advice + "\n")
         (args.out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
+        if verdicts:
+            goals = [{**asdict(v), "verdict": v.text} for v in verdicts]
+            (args.out / "goals.json").write_text(json.dumps(goals, indent=2) + "\n")
         plot(rows, args.out / "memory_time.png")
     return rows

@@ -13,16 +13,26 @@ import torch
 from torch import nn
 
 from lightning_ac.callbacks import ActivationCheckpointing, LayerOffload
+from lightning_ac.loss.function import shift_labels
 
 __all__ = [
     "ALL_ANCHORS",
     "ALL_COMPILED",
+    "ALL_BUDGET_MODES",
     "ALL_SUITE_MODES",
     "BUDGET_MODES",
+    "CHUNKED_BUDGET_MODES",
+    "CHUNKED_MODES",
+    "FLOOR_MODES",
+    "HEAD_ANCHORS",
     "LAYER_OFFLOAD_MODES",
     "MODES",
+    "UNPLANNED",
+    "budget_block",
+    "budget_bounds",
     "default_modes",
     "layer_offload_mode",
+    "training_loss",
     "why_not_planned",
 ]
 
@@ -144,6 +154,35 @@ ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "hf_native_full": _hf_native_full,
     "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
 }
+_TORCHTUNE_LOSS = "torchtune.modules.loss"
+TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss's default, and what torchtune's recipes use
+
+
+def _torchtune_chunked(model: nn.Module) -> None:
+    """transformers' own checkpointing, the loss from torchtune's ``CEWithChunkedOutputLoss`` (see
+    :func:`_torchtune_chunked_loss`)."""
+    _hf_native_full(model)
+
+
+_torchtune_chunked.requires = _TORCHTUNE_LOSS  # type: ignore[attr-defined]
+
+
+def _torchtune_chunked_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The loss as torchtune computes it: the head applied to each of ``TORCHTUNE_CHUNKS`` chunks of the final hidden
+    states (its ``TransformerDecoder.chunked_output``), then ``CEWithChunkedOutputLoss``, which upcasts one chunk of
+    logits to float32 at a time; the labels shifted as transformers' loss shifts them."""
+    loss = importlib.import_module(_TORCHTUNE_LOSS).CEWithChunkedOutputLoss(num_output_chunks=TORCHTUNE_CHUNKS)
+    hidden = model.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    logits = [head(chunk) for chunk in hidden.chunk(TORCHTUNE_CHUNKS, dim=1)]
+    return loss(logits, shift_labels(batch, loss.ignore_index))
+
+
+def _no_head_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A loss that leaves the output head nothing to hold: the last token's logits only, and their mean."""
+    return model(input_ids=batch, logits_to_keep=1, use_cache=False).logits.float().mean()
+
+
 # Anchors that only mean something on an accelerator. TRL's offloader runs when trl is installed; it is CUDA-only
 # upstream (it creates device streams at construction).
 ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
@@ -162,6 +201,24 @@ COMPILED_MODES: Dict[str, Any] = {
     "selective_attn_mm_compiled": SUITE_MODES["selective_attn_mm"],
 }
 COMPILED_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtitan_compiled": _torchtitan_compiled}
+# The output head (the presets with a real vocabulary): the block's chunked_loss (chunk_tokens: auto) beside off, full
+# and selective_attn; the floor, full with none of the head's activations (the logits of the last token only, and a
+# loss that saves nothing of them: their mean), which full_chunked is measured against; and torchtune's chunked loss
+# over transformers' checkpointing, where a user of torchtune's recipes would turn. The floor trains another loss:
+# its gradients are compared with nothing, and it is no mode to choose (neither planned nor a fixed mode that fits).
+CHUNKED_LOSS: Dict[str, Any] = {"chunked_loss": True}
+CHUNKED_MODES: Dict[str, Any] = {
+    f"{name}_chunked": {**(block if isinstance(block, dict) else {"enabled": block}), **CHUNKED_LOSS}
+    for name, block in SUITE_MODES.items()
+    if name in ("off", "full", "selective_attn")
+}
+FLOOR_MODES: Dict[str, Any] = {"full_no_head": SUITE_MODES["full"]}
+HEAD_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtune_chunked_ce": _torchtune_chunked}
+# The training loss of the modes that do not take the model's own (``model(input_ids, labels=...).loss``)
+TRAINING_LOSSES: Dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "full_no_head": _no_head_loss,
+    "torchtune_chunked_ce": _torchtune_chunked_loss,
+}
 # Layer offloading moves frozen weights, so these modes train LoRA adapters (r=8 on every decoder linear) on the
 # frozen base, with full checkpointing, and compare with the same LoRA run without LayerOffload (``lora_full``): the
 # whole device peak, not the activation peak. The value is LayerOffload's resident_layers ("L/4": a quarter of the
@@ -178,11 +235,40 @@ LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
 BUDGET_MODES: Dict[str, float] = {"budget_25": 0.25, "budget_50": 0.5, "budget_75": 0.75}
 BUDGET_BLOCK: Dict[str, Any] = {"selective": {"save": ["attention"]}}
 BUDGET_SETTLE_STEPS = 3
+# The same with chunked_loss, placed between off_chunked's and full_chunked's peaks.
+CHUNKED_BUDGET_MODES: Dict[str, float] = {f"{name}_chunked": fraction for name, fraction in BUDGET_MODES.items()}
+ALL_BUDGET_MODES = {**BUDGET_MODES, **CHUNKED_BUDGET_MODES}
 MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
-ALL_SUITE_MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ACCELERATOR_SUITE_MODES, **LAYER_OFFLOAD_MODES}
-ALL_ANCHORS = {**ANCHORS, **COMPILED_ANCHORS, **ACCELERATOR_ANCHORS}
+ALL_SUITE_MODES = {
+    **SUITE_MODES,
+    **CHUNKED_MODES,
+    **FLOOR_MODES,
+    **ALL_BUDGET_MODES,
+    **COMPILED_MODES,
+    **ACCELERATOR_SUITE_MODES,
+    **LAYER_OFFLOAD_MODES,
+}
+ALL_ANCHORS = {**ANCHORS, **HEAD_ANCHORS, **COMPILED_ANCHORS, **ACCELERATOR_ANCHORS}
 ALL_COMPILED = {**COMPILED_MODES, **COMPILED_ANCHORS}
+# What the budget planner leaves out (see why_not_planned)
+UNPLANNED = {**LAYER_OFFLOAD_MODES, **ALL_BUDGET_MODES, **ALL_COMPILED, **FLOOR_MODES}
+
+
+def budget_bounds(mode: str) -> Tuple[str, str]:
+    """The rows between whose activation peaks a budget row is placed: ``off`` and ``full``, or with chunked_loss
+    ``off_chunked`` and ``full_chunked``."""
+    return ("off_chunked", "full_chunked") if mode in CHUNKED_BUDGET_MODES else ("off", "full")
+
+
+def budget_block(mode: str, budget: Optional[int]) -> Dict[str, Any]:
+    """A budget row's block."""
+    return {**BUDGET_BLOCK, "budget": budget, **(CHUNKED_LOSS if mode in CHUNKED_BUDGET_MODES else {})}
+
+
+def training_loss(mode: str) -> Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+    """The loss ``mode`` trains with, ``None`` for the model's own."""
+    return TRAINING_LOSSES.get(mode)
 
 
 def _availability(mode: str, on_accelerator: bool) -> str:
@@ -198,7 +284,8 @@ def _availability(mode: str, on_accelerator: bool) -> str:
         try:
             importlib.import_module(module)
         except Exception as err:  # noqa: BLE001 - installed but broken (a missing dependency): say so in the row
-            return f"unavailable: cannot import {module}: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            return f"unavailable: cannot import {module}: {type(err).__name__}: {first[:160]}"
     return "ok"
 
 
@@ -230,8 +317,10 @@ def why_not_planned(modes: Sequence[str]) -> str:
     reasons = []
     if any(m in LAYER_OFFLOAD_MODES for m in modes):
         reasons.append("layer offloading saves weights, not activations")
-    if any(m in BUDGET_MODES for m in modes):
+    if any(m in ALL_BUDGET_MODES for m in modes):
         reasons.append("a budget row is the budget itself")
     if any(m in ALL_COMPILED for m in modes):
         reasons.append("a compiled row is its eager mode, compiled; its peak is measured on CUDA only")
+    if any(m in FLOOR_MODES for m in modes):
+        reasons.append("the floor trains no loss of the model's own: a measure, not a mode")
     return "; ".join(reasons)

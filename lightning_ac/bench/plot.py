@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Iterator, List, Sequence, Tuple
 
-from lightning_ac.bench.modes import BUDGET_MODES, LAYER_OFFLOAD_MODES
+from lightning_ac.bench.modes import ALL_BUDGET_MODES, LAYER_OFFLOAD_MODES, budget_bounds
 from lightning_ac.bench.run import Row
 
 __all__ = ["label_offsets", "plot"]
@@ -153,22 +153,30 @@ def plot(rows: List[Row], path: Path) -> None:
     points = [(r.step_time_s, r.peak_activation_bytes / 2**20) for r in shown]  # type: ignore[operator]
     fig, ax = plt.subplots(figsize=(7, 5))
     for r, (x, y) in zip(shown, points):
-        anchor, budget = r.kind == "anchor", r.mode in BUDGET_MODES
-        color = "tab:gray" if anchor else "tab:green" if budget else "tab:blue"
-        ax.scatter(x, y, marker="s" if anchor else "D" if budget else "o", color=color, s=60, zorder=3)
-    # the budget's frontier: full, the budget points by budget, off
-    frontier = sorted(
-        ((x, y) for r, (x, y) in zip(shown, points) if r.mode in BUDGET_MODES or r.mode in ("off", "full")),
-        key=lambda p: p[1],
-    )
+        anchor, floor, budget = r.kind == "anchor", r.kind == "floor", r.mode in ALL_BUDGET_MODES
+        color = "tab:gray" if anchor or floor else "tab:green" if budget else "tab:blue"
+        marker = "s" if anchor else "^" if floor else "D" if budget else "o"
+        ax.scatter(x, y, marker=marker, color=color, s=60, zorder=3)
+    # each budget's frontier: full, the budget points by budget, off (with chunked_loss: their chunked rows)
     legend = None
-    if any(r.mode in BUDGET_MODES for r in shown):
-        ax.plot(*zip(*frontier), color="tab:green", alpha=0.5, linestyle="--", zorder=2, label="memory budget")
+    for ends in dict.fromkeys(budget_bounds(r.mode) for r in shown if r.mode in ALL_BUDGET_MODES):
+        on_it = [r.mode in ends or (r.mode in ALL_BUDGET_MODES and budget_bounds(r.mode) == ends) for r in shown]
+        frontier = sorted((p for p, yes in zip(points, on_it) if yes), key=lambda p: p[1])
+        chunked = "full_chunked" in ends
+        ax.plot(
+            *zip(*frontier),
+            color="tab:green",
+            alpha=0.5,
+            linestyle=":" if chunked else "--",
+            zorder=2,
+            label="memory budget, chunked_loss" if chunked else "memory budget",
+        )
         legend = ax.legend(loc="upper right", fontsize=8)
     ax.margins(x=0.12, y=0.12)  # room for the labels of the outermost points
     ax.set_xlabel("median step time (s)")
     ax.set_ylabel("activation peak (MiB)")
-    ax.set_title("lightning_ac modes (circles), budgets (diamonds) and anchors (squares)")
+    floor = ", the floor (triangle)" if any(r.kind == "floor" for r in shown) else ""
+    ax.set_title(f"lightning_ac modes (circles), budgets (diamonds){floor} and anchors (squares)", fontsize=10)
     ax.grid(alpha=0.3)
     # Lay the figure out and fix the limits first: the labels sit a fixed number of points from their markers, so a
     # later change of scale would move the markers under them.

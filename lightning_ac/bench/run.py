@@ -8,36 +8,49 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_ac._logging import log
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.bench.modes import (
     ALL_ANCHORS,
+    ALL_BUDGET_MODES,
     ALL_COMPILED,
     ALL_SUITE_MODES,
-    BUDGET_BLOCK,
-    BUDGET_MODES,
     BUDGET_SETTLE_STEPS,
     COMPILED_MODES,
+    FLOOR_MODES,
     LAYER_OFFLOAD_MODES,
     _availability,
+    budget_block,
+    budget_bounds,
     cold_compiles,
     compile_layers,
     default_modes,
     layer_offload_mode,
+    training_loss,
     warm_up_compiler,
 )
 from lightning_ac.bench.presets import PRESETS, build_model, model_config
 from lightning_ac.callbacks import callbacks_from_config
 
-__all__ = ["Row", "run_benchmark"]
+__all__ = ["Row", "quiet", "run_benchmark"]
+
+
+def quiet() -> None:
+    """Silence Lightning's and the suite's log lines and warnings: the benchmark's tables are its output."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    log.setLevel(logging.WARNING)  # the suite's own logger
+    warnings.filterwarnings("ignore")
 
 
 @dataclass
@@ -45,10 +58,10 @@ class Row:
     """One mode's result."""
 
     mode: str
-    kind: str  # "suite" or "anchor"
+    kind: str  # "suite", "anchor", or "floor" (a measure to compare with, not a mode to train with)
     peak_activation_bytes: Optional[int]
     step_time_s: Optional[float]
-    max_grad_diff: Optional[float]  # against off; for the layer-offloading modes, against lora_full
+    max_grad_diff: Optional[float]  # against off; the layer-offloading modes against lora_full; the floor: None
     status: str = "ok"
     peak_device_bytes: Optional[int] = None  # the device allocator's peak (CUDA); the layer-offloading modes' figure
     # (slowest - fastest) / median of the repetitions' median steps; None with one repetition
@@ -63,9 +76,16 @@ def _unwrapped_name(name: str) -> str:
 
 
 class _BenchModule(pl.LightningModule):
-    def __init__(self, model: nn.Module, capture_grads: bool, capture_step: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        capture_grads: bool,
+        capture_step: int = 0,
+        loss: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None,
+    ) -> None:
         super().__init__()
         self.model = model
+        self.loss = loss  # None: the model's own, from the labels
         self.capture_grads = capture_grads
         self.capture_step = capture_step  # the same step in every mode: they train bit-identically until then
         self.grads: Optional[Dict[str, torch.Tensor]] = None
@@ -92,6 +112,8 @@ class _BenchModule(pl.LightningModule):
             self._step_context.__exit__(None, None, None)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.loss is not None:
+            return self.loss(self.model, batch)
         return self.model(input_ids=batch, labels=batch, use_cache=False).loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -138,14 +160,15 @@ def _run_mode(
         ALL_ANCHORS[mode](model)
     elif mode in LAYER_OFFLOAD_MODES:
         model, callbacks = layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
-    elif mode in BUDGET_MODES:
-        callbacks, settle = callbacks_from_config({**BUDGET_BLOCK, "budget": budget}), BUDGET_SETTLE_STEPS
+    elif mode in ALL_BUDGET_MODES:
+        callbacks, settle = callbacks_from_config(budget_block(mode, budget)), BUDGET_SETTLE_STEPS
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     if mode in ALL_COMPILED and accelerator == "cpu":
         measure = False  # MemTracker cannot see inside compiled graphs (see COMPILED_MODES)
     metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
-    module = _BenchModule(model, capture, capture_step=1 + steps)  # every mode's last step but the budget's
+    # every mode's last step but the budget's
+    module = _BenchModule(model, capture, capture_step=1 + steps, loss=training_loss(mode))
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
@@ -163,7 +186,7 @@ def _run_mode(
             trainer.fit(module, loader)
     finally:
         module.leave_step_context()
-    plan = callbacks[0].budget_plan if mode in BUDGET_MODES else None
+    plan = callbacks[0].budget_plan if mode in ALL_BUDGET_MODES else None
     return metrics, module.grads, plan
 
 
@@ -177,8 +200,10 @@ def run_benchmark(
     steps: Optional[int] = None,
     seed: int = 0,
     model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
 ) -> List[Row]:
-    """Run the benchmark and return one :class:`Row` per mode."""
+    """Run the benchmark and return one :class:`Row` per mode (by default the preset's own rows, where it has them,
+    else every mode that runs here); ``vocab_size`` replaces the preset model's."""
     preset = copy.deepcopy(PRESETS[preset_name])
     seq, batch_size = seq or preset["seq"], batch or preset["batch"]
     reps, steps = reps or preset["reps"], steps or preset["steps"]
@@ -186,13 +211,14 @@ def run_benchmark(
     on_accelerator = torch.cuda.is_available()
     accelerator = "gpu" if on_accelerator else "cpu"
     if modes is None:
-        modes = default_modes(on_accelerator)
+        modes = list(preset.get("modes") or default_modes(on_accelerator))
     unknown = [m for m in modes if m not in ALL_SUITE_MODES and m not in ALL_ANCHORS]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {sorted({**ALL_SUITE_MODES, **ALL_ANCHORS})}")
-    if any(m in BUDGET_MODES for m in modes):  # placed between full's peak and off's: those run first
-        modes = [m for m in ("off", "full") if m not in modes] + modes
-        modes = sorted(modes, key=lambda m: m in BUDGET_MODES)
+    bounds = [b for m in modes if m in ALL_BUDGET_MODES for b in budget_bounds(m)]
+    if bounds:  # placed between full's peak and off's (or their chunked rows'): those run first
+        modes = list(dict.fromkeys([m for m in bounds if m not in modes] + modes))
+        modes = sorted(modes, key=lambda m: m in ALL_BUDGET_MODES)
     status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
     if any(m in ALL_COMPILED for m in modes):
         try:
@@ -203,6 +229,8 @@ def run_benchmark(
             why = f"failed: torch.compile cannot compile here: {type(cause).__name__}: {lines[0][:160]}"
             status.update({m: why for m in modes if m in ALL_COMPILED})
     config = model_config(preset, model)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     base = build_model(config, torch_dtype, seed)
     generator = torch.Generator().manual_seed(seed)
     batch_ids = torch.randint(0, config.vocab_size, (batch_size, seq), generator=generator)
@@ -224,12 +252,13 @@ def run_benchmark(
             if status[mode] != "ok":
                 continue
             budget = None
-            if mode in BUDGET_MODES:
-                off, full = peaks.get("off"), peaks.get("full")
+            if mode in ALL_BUDGET_MODES:
+                low, high = budget_bounds(mode)
+                off, full = peaks.get(low), peaks.get(high)
                 if off is None or full is None:
-                    status[mode] = "failed: off and full have no measured peak to place the budget between"
+                    status[mode] = f"failed: {low} and {high} have no measured peak to place the budget between"
                     continue
-                budget = int(full + BUDGET_MODES[mode] * (off - full))
+                budget = int(full + ALL_BUDGET_MODES[mode] * (off - full))
             try:
                 metrics, mode_grads, plan = _run_mode(
                     mode, base, batch_ids, steps, rep == 0, rep == 0, accelerator, budget=budget
@@ -250,13 +279,14 @@ def run_benchmark(
     rows = []
     for mode in modes:
         diff = None
-        reference = grads.get("lora_full" if mode in LAYER_OFFLOAD_MODES else "off")
+        # the floor trains another loss: no gradients to compare with
+        reference = None if mode in FLOOR_MODES else grads.get("lora_full" if mode in LAYER_OFFLOAD_MODES else "off")
         if reference is not None and grads[mode] is not None:
             diff = max(float((grads[mode][n] - g).abs().max()) for n, g in reference.items())
         rows.append(
             Row(
                 mode=mode,
-                kind="anchor" if mode in ALL_ANCHORS else "suite",
+                kind="anchor" if mode in ALL_ANCHORS else "floor" if mode in FLOOR_MODES else "suite",
                 peak_activation_bytes=peaks[mode],
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
                 step_time_spread=_spread(times[mode]),

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from lightning_ac.bench.modes import ALL_COMPILED, BUDGET_MODES, LAYER_OFFLOAD_MODES
+from lightning_ac.bench.goals import Verdict
+from lightning_ac.bench.modes import ALL_BUDGET_MODES, ALL_COMPILED, CHUNKED_BUDGET_MODES, LAYER_OFFLOAD_MODES
 from lightning_ac.bench.run import Row
 
-__all__ = ["fastest_fixed_mode", "results_markdown"]
+__all__ = ["fastest_fixed_mode", "goals_markdown", "results_markdown"]
 
 
 def _ratio(value: Optional[float], base: Optional[float]) -> str:
@@ -40,8 +41,9 @@ ONE_REPETITION_NOTE = (
 )
 
 
-def results_markdown(rows: List[Row]) -> str:
-    """A table with ratios to ``off`` and to ``hf_native_full``."""
+def results_markdown(rows: List[Row], verdicts: Sequence[Verdict] = ()) -> str:
+    """A table with ratios to ``off`` and to ``hf_native_full``, then the budget, compiled and layer-offloading rows'
+    own tables and the preset's goals (``verdicts``), each where it has rows."""
     by = {r.mode: r for r in rows}
     off, hf = by.get("off"), by.get("hf_native_full")
     offloaded = [r for r in rows if r.mode in LAYER_OFFLOAD_MODES]
@@ -62,10 +64,11 @@ def results_markdown(rows: List[Row]) -> str:
             f"{_ratio(r.peak_activation_bytes, hf and hf.peak_activation_bytes)} | {step} | "
             f"{_time_ratio(r, off)} | {_time_ratio(r, hf)} | {diff} |"
         )
-    budgets = [r for r in rows if r.mode in BUDGET_MODES]
+    budgets = [r for r in rows if r.mode in ALL_BUDGET_MODES]
     text = ("\n".join(lines) + "\n" if lines else "") + (_budget_markdown(budgets, rows) if budgets else "")
     text += _compiled_markdown(compiled, by.get("full")) if compiled else ""
     text += _layer_offload_markdown(offloaded) if offloaded else ""
+    text += goals_markdown(verdicts) if verdicts else ""
     text = text.removeprefix("\n")  # a table that follows none starts the text
     notes = [note for mark, note in (("~", NOISE_NOTE), (ONE_REPETITION, ONE_REPETITION_NOTE)) if f"x{mark} |" in text]
     return text + "".join(f"\n{note}\n" for note in notes)
@@ -77,7 +80,7 @@ def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:
         r
         for r in rows
         if r.kind == "suite"
-        and r.mode not in BUDGET_MODES
+        and r.mode not in ALL_BUDGET_MODES
         and r.mode not in LAYER_OFFLOAD_MODES
         and r.status == "ok"
         and r.peak_activation_bytes is not None
@@ -89,10 +92,11 @@ def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:
 
 def _budget_markdown(budgets: List[Row], rows: List[Row]) -> str:
     """The budget rows' three claims: under the budget, no slower than the fastest fixed mode that fits it, exact."""
+    chunked = _CHUNKED_BUDGETS if any(r.mode in CHUNKED_BUDGET_MODES for r in budgets) else ""
     lines = [
         "",
         "Memory budget (placed 1/4, 1/2 and 3/4 of the way from full's activation peak to off's, with "
-        "`selective: {save: [attention]}`; each layer's choice: k keep, s selective, r recompute):",
+        f"`selective: {{save: [attention]}}`{chunked}; each layer's choice: k keep, s selective, r recompute):",
         "",
         "| mode | budget (MiB) | peak (MiB) | under budget | layers | fastest fixed mode that fits | step vs it "
         "| max grad diff |",
@@ -109,6 +113,23 @@ def _budget_markdown(budgets: List[Row], rows: List[Row]) -> str:
             f"| `{r.mode}` | {_mib(budget)} | {_mib(peak)} | {under} | {layers} | "
             f"{'`' + fixed.mode + '`' if fixed else '—'} | {_time_ratio(r, fixed) if fixed else '—'} | {diff} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+_CHUNKED_BUDGETS = "; the `_chunked` rows with `chunked_loss: true`, from full_chunked's peak to off_chunked's"
+
+
+def goals_markdown(verdicts: Sequence[Verdict]) -> str:
+    """The preset's goals, each checked on the rows of this run."""
+    lines = ["", "Goals (checked on the rows of this run):", "", "| goal | measured | verdict |", "|---|---|---|"]
+    for v in verdicts:
+        if v.ratio is None:
+            measured = "—"
+        elif v.goal.figure == "peak":
+            measured = f"{v.ratio:.2f}x ({_mib(v.value)} / {_mib(v.base)} MiB)"  # type: ignore[arg-type]
+        else:
+            measured = f"{v.ratio:.2f}x ({v.value:.3f} / {v.base:.3f} s)"
+        lines.append(f"| {v.goal.describe()} | {measured} | {v.text} |")
     return "\n".join(lines) + "\n"
 
 
