@@ -62,7 +62,7 @@ COMPILED = [
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, monkeypatch, backend):
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
     compiles = []
 
@@ -70,7 +70,7 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
         compiles.append(gm)
         return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
-    monkeypatch.setattr(harness, "COMPILE_BACKEND", counting)  # aot_eager runs the graphs as traced: exact
+    monkeypatch.setattr(modes, "COMPILE_BACKEND", counting)  # aot_eager runs the graphs as traced: exact
     tiny_preset(monkeypatch, reps=2)
     rows = bench.main(["--preset", "tiny", "--modes", *COMPILED, "--out", str(tmp_path)])
     # the warm-up's graph, then every compiled row compiles afresh in each of the two repetitions (nothing reused
@@ -95,12 +95,12 @@ def test_compiled_rows_report_compile_time_apart_against_eager_full(tmp_path, mo
 
 
 def test_compiled_rows_where_nothing_compiles_say_why_and_the_rest_runs(tmp_path, monkeypatch):
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
     def no_compiler(gm, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(harness, "COMPILE_BACKEND", no_compiler)
+    monkeypatch.setattr(modes, "COMPILE_BACKEND", no_compiler)
     tiny_preset(monkeypatch)
     rows = bench.main(["--preset", "tiny", "--modes", "full", "full_compiled", "--out", str(tmp_path)])
     by = {r.mode: r for r in rows}
@@ -110,14 +110,14 @@ def test_compiled_rows_where_nothing_compiles_say_why_and_the_rest_runs(tmp_path
 
 
 def test_the_compiled_rows_run_by_default_and_no_compiled_leaves_them_out():
-    from lightning_ac.bench import harness
+    from lightning_ac.bench import modes
 
-    compiled = set(harness.COMPILED_MODES) | set(harness.COMPILED_ANCHORS)
-    assert compiled <= set(harness.default_modes(on_accelerator=False))
-    assert not compiled & set(harness.default_modes(on_accelerator=True, compiled=False))
+    compiled = set(modes.COMPILED_MODES) | set(modes.COMPILED_ANCHORS)
+    assert compiled <= set(modes.default_modes(on_accelerator=False))
+    assert not compiled & set(modes.default_modes(on_accelerator=True, compiled=False))
     assert (
-        set(harness.default_modes(on_accelerator=False, compiled=False))
-        == set(harness.default_modes(on_accelerator=False)) - compiled
+        set(modes.default_modes(on_accelerator=False, compiled=False))
+        == set(modes.default_modes(on_accelerator=False)) - compiled
     )
 
 
@@ -422,3 +422,158 @@ def test_plot_labels_of_close_points_never_overlap_and_stay_inside_the_figure(tm
         far = max(box.x0 - x, x - box.x1, box.y0 - y, y - box.y1) > 14
         assert not far or labels[mode].arrow_patch is not None, f"{mode}'s label is away from its point, unled"
         assert tuple(labels[mode].xy) == pytest.approx(ax.transData.inverted().transform(markers[mode]))
+
+
+# -- the output head: the cpu-vocab preset, chunked_loss rows, the floor, torchtune's chunked loss, the goals ---------
+
+
+def test_the_vocabulary_preset_is_cpu_small_with_a_real_vocabulary_and_its_own_rows_and_goals():
+    from lightning_ac.bench import modes
+
+    vocab, small = bench.PRESETS["cpu-vocab"], bench.PRESETS["cpu-small"]
+    assert vocab["model"] == {**small["model"], "vocab_size": 32000}
+    assert small["model"]["vocab_size"] == 256 and not {"modes", "goals"} & set(small), "cpu-small as it was"
+    assert {k: v for k, v in vocab.items() if k not in ("model", "modes", "goals")} == {
+        k: v for k, v in small.items() if k != "model"
+    }
+    rows = vocab["modes"]
+    for mode in ("off", "full", "selective_attn", "budget_25", "budget_50", "budget_75"):
+        assert mode in rows and f"{mode}_chunked" in rows, mode
+    assert {"full_no_head", "hf_native_full", "torchtune_chunked_ce"} <= set(rows)
+    assert all(m in modes.ALL_SUITE_MODES or m in modes.ALL_ANCHORS for m in rows)
+    # the chunked rows are their modes' blocks with chunked_loss (auto), off's too (enabled: false)
+    assert modes.CHUNKED_MODES == {
+        "off_chunked": {"enabled": False, "chunked_loss": True},
+        "full_chunked": {"enabled": True, "chunked_loss": True},
+        "selective_attn_chunked": {"selective": {"save": ["attention"]}, "chunked_loss": True},
+        "full_chunked_128": {"enabled": True, "chunked_loss": {"chunk_tokens": 128}},
+    }
+    assert modes.budget_block("budget_50_chunked", 10)["chunked_loss"] is True
+    assert "chunked_loss" not in modes.budget_block("budget_50", 10)
+    goals = {(g.mode, g.figure, g.against): g.at_most for g in vocab["goals"]}
+    assert goals == {
+        ("full_chunked", "peak", "full"): 0.2,
+        ("full_chunked", "peak", "full_no_head"): 1.3,
+        ("full_chunked", "step", "full"): 1.05,
+    }
+    # cpu-small's default rows are what they were: none of these
+    assert not {"full_chunked", "full_no_head", "torchtune_chunked_ce"} & set(modes.default_modes(False))
+
+
+def _fake_torchtune(monkeypatch) -> None:
+    """torchtune's CEWithChunkedOutputLoss (0.6.1's interface and arithmetic) where torchtune is not installed."""
+    import importlib.machinery
+    import types
+
+    import torch.nn.functional as F
+
+    class CEWithChunkedOutputLoss(torch.nn.Module):
+        def __init__(self, num_output_chunks: int = 8, ignore_index: int = -100) -> None:
+            super().__init__()
+            self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
+
+        def forward(self, logits, labels):
+            total = (labels != self.ignore_index).sum()
+            targets = [t.reshape(-1) for t in labels.chunk(self.num_output_chunks, dim=1)]
+            chunks = [c.reshape(-1, c.size(-1)) for c in logits]
+            return (
+                sum(
+                    F.cross_entropy(c.float(), t, ignore_index=self.ignore_index, reduction="sum")
+                    for c, t in zip(chunks, targets)
+                )
+                / total
+            )
+
+    for name in ("torchtune", "torchtune.modules", "torchtune.modules.loss"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["torchtune.modules.loss"].CEWithChunkedOutputLoss = CEWithChunkedOutputLoss
+
+
+def test_the_vocabulary_rows_run_and_the_goals_are_checked_at_a_tiny_scale(tmp_path, monkeypatch):
+    """Every row of cpu-vocab on a tiny model whose head holds most of full's activations (vocabulary 512, hidden
+    32: chunked_loss's auto chunks hold 4 tokens): the chunked rows within float rounding of off's gradients (the
+    chunks sum in another order), the floor compared with nothing, the chunked budgets placed between the chunked
+    rows, and the goals' verdicts in results.md and goals.json."""
+    if importlib.util.find_spec("torchtune") is None:
+        _fake_torchtune(monkeypatch)
+    preset = tiny_preset(monkeypatch)
+    preset["model"]["vocab_size"] = 512
+    monkeypatch.setitem(
+        bench.PRESETS, "cpu-vocab", {**preset, **{k: bench.PRESETS["cpu-vocab"][k] for k in ("modes", "goals")}}
+    )
+    rows = bench.main(["--preset", "cpu-vocab", "--out", str(tmp_path)])
+    by = {r.mode: r for r in rows}
+    assert set(by) == set(bench.PRESETS["cpu-vocab"]["modes"])
+    for row in rows:
+        assert row.status == "ok" and row.peak_activation_bytes > 0, row
+    for mode in ("off", "full", "selective_attn", "hf_native_full", "budget_50"):
+        assert by[mode].max_grad_diff == 0.0, mode
+    for mode in ("off_chunked", "full_chunked", "selective_attn_chunked", "budget_50_chunked", "torchtune_chunked_ce"):
+        assert by[mode].max_grad_diff <= 1e-6, mode
+    assert by["full_no_head"].kind == "floor" and by["full_no_head"].max_grad_diff is None
+    assert by["torchtune_chunked_ce"].kind == "anchor"
+    peak = {m: r.peak_activation_bytes for m, r in by.items()}
+    assert peak["full_chunked"] < peak["full"] and peak["off_chunked"] < peak["off"]
+    assert peak["full_no_head"] <= peak["full_chunked"] <= 1.3 * peak["full_no_head"]
+    for mode, fraction in (("budget_25_chunked", 0.25), ("budget_50_chunked", 0.5), ("budget_75_chunked", 0.75)):
+        low, high = peak["off_chunked"], peak["full_chunked"]
+        assert by[mode].budget_bytes == int(high + fraction * (low - high)), mode
+    table = (tmp_path / "results.md").read_text()
+    goals = table[table.index("Goals (checked on the rows of this run):") :]
+    assert "| `full_chunked`'s activation peak at most 0.2x `full`'s | " in goals
+    assert "| `full_chunked`'s activation peak at most 1.3x `full_no_head`'s | " in goals
+    assert "| `full_chunked`'s step time at most 1.05x `full`'s | " in goals and "(one repetition) |" in goals
+    assert "from full_chunked's peak to off_chunked's" in table
+    verdicts = json.loads((tmp_path / "goals.json").read_text())
+    assert [v["goal"]["against"] for v in verdicts] == ["full", "full_no_head", "full"]
+    assert verdicts[1]["verdict"] == "met" and verdicts[1]["ratio"] <= 1.3
+
+
+def test_goal_verdicts_say_met_missed_unmeasured_and_when_noise_could_turn_them():
+    from lightning_ac.bench.goals import Goal, check_goals
+
+    def rows(chunked_peak, chunked_step, spread=0.03):
+        return [
+            bench.Row("full", "suite", 1000, 1.00, 0.0, step_time_spread=0.02),
+            bench.Row("full_chunked", "suite", chunked_peak, chunked_step, 1e-8, step_time_spread=spread),
+            bench.Row("full_no_head", "floor", 140, 0.90, None, step_time_spread=0.01),
+        ]
+
+    goals = bench.PRESETS["cpu-vocab"]["goals"]
+    assert [v.text for v in check_goals(rows(150, 1.01, spread=0.01), goals)] == ["met", "met", "met"]
+    texts = [v.text for v in check_goals(rows(150, 1.04), goals)]
+    assert texts == ["met", "met", "met (within noise: the repetitions spread by 3%)"], "1.04x is 0.01 from 1.05x"
+    texts = [v.text for v in check_goals(rows(250, 1.20), goals)]
+    assert texts == ["missed", "missed", "missed"], "0.25x full's, 1.79x the floor, 1.20x full's step"
+    assert check_goals(rows(150, 1.01, spread=None), goals)[2].text == "met (one repetition)"
+    failed = rows(150, 1.0)[:1] + [bench.Row("full_chunked", "suite", None, None, None, status="failed: X")]
+    assert [v.text for v in check_goals(failed, goals)] == ["not measured"] * 3
+    with pytest.raises(ValueError, match="figure"):
+        Goal("full", "memory", "off", 1.0)
+    table = bench.results_markdown(rows(150, 1.04), check_goals(rows(150, 1.04), goals))
+    assert "| `full_chunked`'s activation peak at most 0.2x `full`'s | 0.15x (0.0 / 0.0 MiB) | met |" in table
+
+
+def test_the_head_table_gives_the_heads_share_and_chunked_loss_against_the_floor(tmp_path, monkeypatch):
+    from lightning_ac.bench import head
+
+    mib = 2**20
+
+    def rows(off, off_chunked, full, full_chunked, floor):
+        peaks = dict(off=off, off_chunked=off_chunked, full=full, full_chunked=full_chunked, full_no_head=floor)
+        return [bench.Row(m, "suite", int(p * mib), 1.0, 0.0) for m, p in peaks.items()]
+
+    table = head.head_markdown(
+        {256: rows(138.8, 138.8, 55.6, 55.6, 55.6), 32000: rows(872.7, 180.0, 761.0, 55.6, 55.6)}
+    )
+    assert "| 256 | 138.8 | 138.8 | 55.6 | 55.6 | 55.6 | 0% | 1.00x |" in table
+    assert "| 32,000 | 872.7 | 180.0 | 761.0 | 55.6 | 55.6 | 93% | 1.00x |" in table
+    # the command, on a tiny model: one repetition of the head's rows at each vocabulary
+    tiny_preset(monkeypatch, seq=32)
+    monkeypatch.setitem(bench.PRESETS, "cpu-vocab", bench.PRESETS["tiny"])
+    measured = head.main(["--vocab", "32", "512", "--out", str(tmp_path)])
+    assert list(measured) == [32, 512] and all(len(r) == len(head.HEAD_MODES) for r in measured.values())
+    assert "| 512 |" in (tmp_path / "head.md").read_text()
+    assert set(json.loads((tmp_path / "head.json").read_text())) == {"32", "512"}

@@ -1,0 +1,328 @@
+"""The benchmark's modes: the suite's blocks, the memory budget's rows, the compiled and layer-offloading rows, and
+the anchors (what a user would use instead, applied without our code); which of them run here, and why one cannot."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_ac.callbacks import ActivationCheckpointing, LayerOffload
+from lightning_ac.loss.function import shift_labels
+
+__all__ = [
+    "ALL_ANCHORS",
+    "ALL_COMPILED",
+    "ALL_BUDGET_MODES",
+    "ALL_SUITE_MODES",
+    "BUDGET_MODES",
+    "CHUNKED_BUDGET_MODES",
+    "CHUNKED_MODES",
+    "FLOOR_MODES",
+    "HEAD_ANCHORS",
+    "LAYER_OFFLOAD_MODES",
+    "MODES",
+    "UNPLANNED",
+    "budget_block",
+    "budget_bounds",
+    "default_modes",
+    "layer_offload_mode",
+    "training_loss",
+    "why_not_planned",
+]
+
+SUITE_MODES: Dict[str, Any] = {
+    "off": False,
+    "full": True,
+    "every_2": {"kwargs": {"every_n_layers": 2}},
+    "selective_attn": {"selective": {"save": ["attention"]}},
+    "selective_attn_mm": {"selective": {"save": ["attention", "aten::mm"]}},
+}
+ACCELERATOR_SUITE_MODES: Dict[str, Any] = {
+    "offload_hidden": {"offload": {"hidden_states": "cpu"}},
+    "offload_hidden_selective": {
+        "selective": {"save": ["attention"]},
+        "offload": {"hidden_states": "cpu", "selective": "cpu"},
+    },
+    "offload_all": {"offload": {"all": "cpu"}},
+    "offload_only": {"enabled": False, "offload": {"all": "cpu"}},
+}
+
+
+def _hf_native_full(model: nn.Module) -> None:
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _torch_checkpoint_wrapper(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
+    )
+
+
+def _hf_native_offload(model: nn.Module) -> None:
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+
+
+def _decoder_layer_lists(model: nn.Module) -> List[nn.ModuleList]:
+    """The lists that hold the decoder layers (bare, or in torch's checkpoint wrapper)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def layer(module: nn.Module) -> nn.Module:
+        return getattr(module, "_checkpoint_wrapped_module", module)
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and any(isinstance(layer(c), GradientCheckpointingLayer) for c in m)
+    ]
+
+
+# The compiled modes' backend (the tests run the harness with aot_eager, which compiles in a fraction of the time).
+COMPILE_BACKEND = "inductor"
+
+
+def compile_layers(model: nn.Module) -> None:
+    """Compile each decoder layer by itself (torchtitan's per-block compile), in place in its list."""
+    lists = _decoder_layer_lists(model)
+    if not lists:
+        raise RuntimeError(f"no list of decoder layers found in {type(model).__name__} to compile")
+    for layers in lists:
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=COMPILE_BACKEND)
+
+
+def cold_compiles() -> Any:
+    """Compile from scratch, as a first run does: dynamo's graphs dropped, and inductor's caches (its kernels, its
+    graphs and AOT autograd's, on disk and in memory) in a fresh directory. With them kept, a later mode or
+    repetition would find the kernels an earlier one built and report almost no compile time."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    return fresh_cache()
+
+
+def warm_up_compiler(device: torch.device) -> None:
+    """Compile a small forward and backward once on ``device``, so that the first compiled mode does not pay what a
+    process pays only once (inductor's imports, its pool of compile workers: some 20 s on CPU; Triton's start-up on
+    CUDA) as its own compile time."""
+    layer = nn.Linear(8, 8, device=device)
+    with cold_compiles():
+        torch.compile(layer, backend=COMPILE_BACKEND)(torch.randn(4, 8, device=device)).relu().sum().backward()
+    torch._dynamo.reset()
+
+
+def _torchtitan_compiled(model: nn.Module) -> None:
+    """torchtitan's order (``apply_ac``, then ``apply_compile``): torch's checkpoint wrapper around each block, then
+    each wrapped block compiled, with no code of ours."""
+    _torch_checkpoint_wrapper(model)
+    compile_layers(model)
+
+
+_TRL_OFFLOADING = "trl.models.activation_offloading"
+
+
+def _trl_offloader(full: bool) -> Callable[[nn.Module], None]:
+    """An anchor running TRL's activation offloader the way TRL's trainer does: a ``saved_tensors_hooks`` context
+    built for the model once it is on its device (it records the parameters' storages, so that their views stay
+    put) and entered around each training step, forward and backward. ``full`` adds transformers'
+    checkpointing underneath, the counterpart of ``offload_all``; without it the anchor mirrors ``offload_only``."""
+
+    def apply(model: nn.Module) -> None:
+        if full:
+            _hf_native_full(model)
+        model._bench_step_context = lambda m: importlib.import_module(_TRL_OFFLOADING).get_act_offloading_ctx_manager(m)
+
+    apply.requires = _TRL_OFFLOADING  # type: ignore[attr-defined]
+    return apply
+
+
+ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
+    "hf_native_full": _hf_native_full,
+    "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
+}
+_TORCHTUNE_LOSS = "torchtune.modules.loss"
+TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss's default, and what torchtune's recipes use
+
+
+def _torchtune_chunked(model: nn.Module) -> None:
+    """transformers' own checkpointing, the loss from torchtune's ``CEWithChunkedOutputLoss`` (see
+    :func:`_torchtune_chunked_loss`)."""
+    _hf_native_full(model)
+
+
+_torchtune_chunked.requires = _TORCHTUNE_LOSS  # type: ignore[attr-defined]
+
+
+def _torchtune_chunked_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The loss as torchtune computes it: the head applied to each of ``TORCHTUNE_CHUNKS`` chunks of the final hidden
+    states (its ``TransformerDecoder.chunked_output``), then ``CEWithChunkedOutputLoss``, which upcasts one chunk of
+    logits to float32 at a time; the labels shifted as transformers' loss shifts them."""
+    loss = importlib.import_module(_TORCHTUNE_LOSS).CEWithChunkedOutputLoss(num_output_chunks=TORCHTUNE_CHUNKS)
+    hidden = model.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    logits = [head(chunk) for chunk in hidden.chunk(TORCHTUNE_CHUNKS, dim=1)]
+    return loss(logits, shift_labels(batch, loss.ignore_index))
+
+
+def _no_head_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A loss that leaves the output head nothing to hold: the last token's logits only, and their mean."""
+    return model(input_ids=batch, logits_to_keep=1, use_cache=False).logits.float().mean()
+
+
+# Anchors that only mean something on an accelerator. TRL's offloader runs when trl is installed; it is CUDA-only
+# upstream (it creates device streams at construction).
+ACCELERATOR_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
+    "hf_native_offload": _hf_native_offload,
+    "trl_offload_only": _trl_offloader(full=False),
+    "trl_offload_full": _trl_offloader(full=True),
+}
+# The suite's block on decoder layers compiled one by one with inductor before fit (torchtitan's per-block compile;
+# the callbacks apply in setup, so the recompute and the save rules run inside each layer's graph), and torchtitan's
+# own order as their anchor. Each repetition compiles afresh (a new copy of the model, compile caches off): the
+# warm-up steps' excess over the median step is the compile time, reported apart. CPU has no allocator statistics
+# and torch's MemTracker, a dispatch mode, cannot see inside compiled graphs, so their memory is measured on CUDA only.
+COMPILED_MODES: Dict[str, Any] = {
+    "full_compiled": SUITE_MODES["full"],
+    "selective_attn_compiled": SUITE_MODES["selective_attn"],
+    "selective_attn_mm_compiled": SUITE_MODES["selective_attn_mm"],
+}
+COMPILED_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtitan_compiled": _torchtitan_compiled}
+# The output head (the presets with a real vocabulary): the block's chunked_loss (chunk_tokens: auto) beside off, full
+# and selective_attn; the floor, full with none of the head's activations (the logits of the last token only, and a
+# loss that saves nothing of them: their mean), which full_chunked is measured against; and torchtune's chunked loss
+# over transformers' checkpointing, where a user of torchtune's recipes would turn. The floor trains another loss:
+# its gradients are compared with nothing, and it is no mode to choose (neither planned nor a fixed mode that fits).
+CHUNKED_LOSS: Dict[str, Any] = {"chunked_loss": True}
+CHUNKED_MODES: Dict[str, Any] = {
+    f"{name}_chunked": {**(block if isinstance(block, dict) else {"enabled": block}), **CHUNKED_LOSS}
+    for name, block in SUITE_MODES.items()
+    if name in ("off", "full", "selective_attn")
+}
+# auto's chunks are small (32 tokens at hidden 256 and vocabulary 32,000): larger ones run larger matmuls
+CHUNKED_MODES["full_chunked_128"] = {"enabled": True, "chunked_loss": {"chunk_tokens": 128}}
+FLOOR_MODES: Dict[str, Any] = {"full_no_head": SUITE_MODES["full"]}
+HEAD_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtune_chunked_ce": _torchtune_chunked}
+# The training loss of the modes that do not take the model's own (``model(input_ids, labels=...).loss``)
+TRAINING_LOSSES: Dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "full_no_head": _no_head_loss,
+    "torchtune_chunked_ce": _torchtune_chunked_loss,
+}
+# Layer offloading moves frozen weights, so these modes train LoRA adapters (r=8 on every decoder linear) on the
+# frozen base, with full checkpointing, and compare with the same LoRA run without LayerOffload (``lora_full``): the
+# whole device peak, not the activation peak. The value is LayerOffload's resident_layers ("L/4": a quarter of the
+# decoder layers). On the accelerator by default; asked for on CPU, they run the copies on the host.
+LAYER_OFFLOAD_MODES: Dict[str, Optional[str]] = {
+    "lora_full": None,
+    "layer_offload": "0",
+    "layer_offload_resident": "L/4",
+}
+# The memory budget at a fraction of the way from full's measured activation peak to off's (so these rows run after
+# off and full, which they need), with selective_attn's save rules for the layers where they measure faster than a
+# whole recompute. The budget settles in its first steps (one measuring step, then checks), so these rows run
+# BUDGET_SETTLE_STEPS more warm-up steps before the measured and timed ones.
+BUDGET_MODES: Dict[str, float] = {"budget_25": 0.25, "budget_50": 0.5, "budget_75": 0.75}
+BUDGET_BLOCK: Dict[str, Any] = {"selective": {"save": ["attention"]}}
+BUDGET_SETTLE_STEPS = 3
+# The same with chunked_loss, placed between off_chunked's and full_chunked's peaks.
+CHUNKED_BUDGET_MODES: Dict[str, float] = {f"{name}_chunked": fraction for name, fraction in BUDGET_MODES.items()}
+ALL_BUDGET_MODES = {**BUDGET_MODES, **CHUNKED_BUDGET_MODES}
+MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
+# Every mode this harness knows, whether or not it runs on this machine.
+ALL_SUITE_MODES = {
+    **SUITE_MODES,
+    **CHUNKED_MODES,
+    **FLOOR_MODES,
+    **ALL_BUDGET_MODES,
+    **COMPILED_MODES,
+    **ACCELERATOR_SUITE_MODES,
+    **LAYER_OFFLOAD_MODES,
+}
+ALL_ANCHORS = {**ANCHORS, **HEAD_ANCHORS, **COMPILED_ANCHORS, **ACCELERATOR_ANCHORS}
+ALL_COMPILED = {**COMPILED_MODES, **COMPILED_ANCHORS}
+# What the budget planner leaves out (see why_not_planned)
+UNPLANNED = {**LAYER_OFFLOAD_MODES, **ALL_BUDGET_MODES, **ALL_COMPILED, **FLOOR_MODES}
+
+
+def budget_bounds(mode: str) -> Tuple[str, str]:
+    """The rows between whose activation peaks a budget row is placed: ``off`` and ``full``, or with chunked_loss
+    ``off_chunked`` and ``full_chunked``."""
+    return ("off_chunked", "full_chunked") if mode in CHUNKED_BUDGET_MODES else ("off", "full")
+
+
+def budget_block(mode: str, budget: Optional[int]) -> Dict[str, Any]:
+    """A budget row's block."""
+    return {**BUDGET_BLOCK, "budget": budget, **(CHUNKED_LOSS if mode in CHUNKED_BUDGET_MODES else {})}
+
+
+def training_loss(mode: str) -> Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+    """The loss ``mode`` trains with, ``None`` for the model's own."""
+    return TRAINING_LOSSES.get(mode)
+
+
+def _availability(mode: str, on_accelerator: bool) -> str:
+    """``"ok"``, or why this mode cannot run here (reported in its row instead of failing the run)."""
+    anchor = ALL_ANCHORS.get(mode)
+    if mode in ACCELERATOR_ANCHORS and not on_accelerator:
+        return "unavailable: needs a CUDA device"
+    module = getattr(anchor, "requires", None)
+    if module is not None:
+        package = module.split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            return f"unavailable: {package} is not installed"
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - installed but broken (a missing dependency): say so in the row
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            return f"unavailable: cannot import {module}: {type(err).__name__}: {first[:160]}"
+    return "ok"
+
+
+def layer_offload_mode(model: nn.Module, resident: Optional[str], on_host: bool) -> Tuple[nn.Module, List[pl.Callback]]:
+    """A LoRA model on the frozen base, with full checkpointing, and LayerOffload unless ``resident`` is None."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)  # the same adapters in every mode
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+    callbacks: List[pl.Callback] = [ActivationCheckpointing()]
+    if resident is not None:
+        layers = model.config.num_hidden_layers
+        k = max(1, layers // 4) if resident == "L/4" else int(resident)
+        callbacks.append(LayerOffload(resident_layers=k, copy_on_host=on_host))
+    return model, callbacks
+
+
+def default_modes(on_accelerator: bool, compiled: bool = True) -> List[str]:
+    """Every mode that runs here, in table order; without the compiled ones unless ``compiled``."""
+    modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
+    modes += (list(COMPILED_MODES) if compiled else []) + list(ANCHORS) + (list(COMPILED_ANCHORS) if compiled else [])
+    modes += list(ACCELERATOR_ANCHORS) if on_accelerator else []
+    return modes + (list(LAYER_OFFLOAD_MODES) if on_accelerator else [])
+
+
+def why_not_planned(modes: Sequence[str]) -> str:
+    """Why the budget planner leaves ``modes`` out: the reasons that apply to them."""
+    reasons = []
+    if any(m in LAYER_OFFLOAD_MODES for m in modes):
+        reasons.append("layer offloading saves weights, not activations")
+    if any(m in ALL_BUDGET_MODES for m in modes):
+        reasons.append("a budget row is the budget itself")
+    if any(m in ALL_COMPILED for m in modes):
+        reasons.append("a compiled row is its eager mode, compiled; its peak is measured on CUDA only")
+    if any(m in FLOOR_MODES for m in modes):
+        reasons.append("the floor trains no loss of the model's own: a measure, not a mode")
+    return "; ".join(reasons)
