@@ -4,8 +4,9 @@ For each chunk of the final hidden states, the head's logits are computed (and, 
 as the model does), upcast to float32 as transformers' ``ForCausalLMLoss`` does, and their cross-entropy summed; the
 gradients of that chunk (for the hidden states and for each trainable parameter of the head) are computed at once,
 in the forward, and the chunk's logits freed before the next. What backward receives is the loss's gradient, a
-scalar: it scales the gradients the forward computed. No matmul runs twice, which is why this is faster than
-recomputing each chunk's logits in backward (measured: see the README's section on the output head).
+scalar: it scales the gradients the forward computed. No matmul runs twice: recomputing each chunk's logits in
+backward instead would run the head's largest matmul once more (one of its three with a trainable head, one of two
+with a frozen one).
 
 With one chunk holding every token, the forward and each gradient run the same kernels in the same order as the
 model's own loss, and the results are bit-identical when the loss's gradient is 1 (a loss divided by the
