@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_ac.loss.install
 from lightning_ac import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -446,7 +447,7 @@ def test_the_vocabulary_preset_is_cpu_small_with_a_real_vocabulary_and_its_own_r
         "off_chunked": {"enabled": False, "chunked_loss": True},
         "full_chunked": {"enabled": True, "chunked_loss": True},
         "selective_attn_chunked": {"selective": {"save": ["attention"]}, "chunked_loss": True},
-        "full_chunked_128": {"enabled": True, "chunked_loss": {"chunk_tokens": 128}},
+        "full_chunked_32": {"enabled": True, "chunked_loss": {"chunk_tokens": 32}},
     }
     assert modes.budget_block("budget_50_chunked", 10)["chunked_loss"] is True
     assert "chunked_loss" not in modes.budget_block("budget_50", 10)
@@ -493,13 +494,14 @@ def _fake_torchtune(monkeypatch) -> None:
 
 def test_the_vocabulary_rows_run_and_the_goals_are_checked_at_a_tiny_scale(tmp_path, monkeypatch):
     """Every row of cpu-vocab on a tiny model whose head holds most of full's activations (vocabulary 512, hidden
-    32: chunked_loss's auto chunks hold 4 tokens): the chunked rows within float rounding of off's gradients (the
-    chunks sum in another order), the floor compared with nothing, the chunked budgets placed between the chunked
-    rows, and the goals' verdicts in results.md and goals.json."""
+    32: chunked_loss's auto chunks hold 4 tokens, its floor of 128 lowered for this scale): the chunked rows within
+    float rounding of off's gradients (the chunks sum in another order), the floor compared with nothing, the
+    chunked budgets placed between the chunked rows, and the goals' verdicts in results.md and goals.json."""
     if importlib.util.find_spec("torchtune") is None:
         _fake_torchtune(monkeypatch)
     preset = tiny_preset(monkeypatch)
     preset["model"]["vocab_size"] = 512
+    monkeypatch.setattr(lightning_ac.loss.install, "MIN_AUTO_CHUNK_TOKENS", 1)  # else one chunk: the whole step
     monkeypatch.setitem(
         bench.PRESETS, "cpu-vocab", {**preset, **{k: bench.PRESETS["cpu-vocab"][k] for k in ("modes", "goals")}}
     )

@@ -18,7 +18,7 @@ from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.config import parse_config
 from lightning_ac.loss.function import chunked_causal_lm_loss
-from lightning_ac.loss.install import auto_chunk_tokens
+from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS, auto_chunk_tokens
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 TOKENS = BATCH * SEQ
@@ -112,10 +112,16 @@ def test_enabled_false_without_chunked_loss_is_an_error():
 
 
 def test_auto_chunk_tokens_keeps_a_chunk_of_logits_to_the_size_of_the_hidden_states():
-    assert auto_chunk_tokens(2048, 256, 32000) == 32  # 16.4 tokens' logits = 2048 tokens' hidden states
-    assert auto_chunk_tokens(8192, 4096, 128256) == 512
-    assert auto_chunk_tokens(64, 64, 128) == 32
-    assert auto_chunk_tokens(3, 4096, 128) == 3, "never more than the tokens"
+    assert auto_chunk_tokens(8192, 4096, 128256) == 512  # 261.6 tokens, rounded up to a power of two
+    assert auto_chunk_tokens(32768, 4096, 128256) == 2048
+    assert auto_chunk_tokens(4096, 2048, 2048) == 4096
+
+
+def test_auto_chunk_tokens_takes_no_fewer_than_the_floor_and_never_more_than_the_tokens():
+    assert auto_chunk_tokens(2048, 256, 32000) == MIN_AUTO_CHUNK_TOKENS == 128  # 16.4 tokens would do
+    assert auto_chunk_tokens(64, 64, 128) == 64
+    assert auto_chunk_tokens(3, 4096, 128) == 3
+    assert auto_chunk_tokens(0, 4096, 128) == 1
 
 
 # -- the loss itself ---------------------------------------------------------------------------------------------
@@ -392,7 +398,8 @@ def test_the_activation_peak_drops_by_the_heads_share():
         return metrics.peak.activation_bytes
 
     full = peak([ActivationCheckpointing()])
-    chunked = peak([ActivationCheckpointing(chunked_loss=True)])
+    # chunks about the hidden states' size (auto without its floor: at this small a step, 128 tokens are half of it)
+    chunked = peak([ActivationCheckpointing(chunked_loss={"chunk_tokens": 8})])
     floor = peak([ActivationCheckpointing()], FloorLM)
     assert chunked <= 0.3 * full, (chunked, full)
     assert chunked <= 1.3 * floor, (chunked, floor)
@@ -420,3 +427,20 @@ def test_under_a_budget_the_smaller_head_leaves_room_for_kept_layers():
     advice = next(str(w.message) for w in caught if "over the budget" in str(w.message))
     assert "chunked_loss: true (the output head's logits and their gradient hold" in advice
     assert whole.budget_plan["choices"] == ["recompute"] * 4
+
+
+def test_the_budget_measures_the_chunked_heads_working_set_in_the_forward_where_it_is():
+    """With the loss chunked, each chunk's logits and their gradient exist in the forward (backward only scales what
+    they left): the budget's head figure is read there too, not left to a calibration taken from another plan."""
+    vocab, chunk = 4096, 64
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+            self.head_bytes = cb.plan.budget.head_bytes
+
+    keep = Keep()
+    callback = ActivationCheckpointing(budget=10**9, chunked_loss={"chunk_tokens": chunk})
+    train(tiny_model("llama", lora=True, vocab_size=vocab), [callback, keep], steps=1, data=batches(1, vocab, 128))
+    chunk_logits = chunk * vocab * 4  # one chunk's float32 logits
+    assert chunk_logits <= keep.head_bytes <= 4 * chunk_logits, (keep.head_bytes, chunk_logits)

@@ -655,3 +655,42 @@ def test_a_compiled_output_head_compiles_once_the_budget_stops_measuring(small):
     fit(model, [checkpointing], max_steps=4, module_cls=GraphLM)
     assert checkpointing.budget_plan is not None and checkpointing.budget_plan["settled"]
     assert (recorder.ops("forward", MM), recorder.ops("backward", MM)) == ([1], [2]), "the head compiled, once"
+
+
+class ChunkedGraphLM(GraphLM):
+    """GraphLM that keeps what each training forward returned as logits."""
+
+    def training_step(self, batch, batch_idx):
+        output = self.model(input_ids=batch[0], labels=batch[0])
+        self.logits = getattr(self, "logits", []) + [output.logits]
+        self.losses.append(float(output.loss.detach()))
+        return output.loss
+
+
+class ChunkedCalls(pl.Callback):
+    """How many training forwards the chunked loss computed, read at each step's end (the run uninstalls it)."""
+
+    calls = 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        block = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+        self.calls = block.plan.chunked_loss.chunked_calls
+
+
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_the_chunked_loss_under_a_compiled_model(base, where):
+    # per layer, the head and the loss stay eager; whole model, dynamo breaks its graph at the head, whose chunks run
+    # eagerly (their logits never exist whole): the same losses and gradients as the same chunks uncompiled
+    chunked = {"chunk_tokens": 16}  # 64 tokens a step: 4 chunks
+    eager = fit(clone(base), [ActivationCheckpointing(chunked_loss=chunked)], max_steps=2, module_cls=ChunkedGraphLM)
+    recorder, counted = GraphRecorder(), ChunkedCalls()
+    run = fit(
+        compiled(base, recorder, where),
+        [ActivationCheckpointing(chunked_loss=chunked), counted],
+        max_steps=2,
+        module_cls=ChunkedGraphLM,
+    )
+    assert recorder.graphs, "compiled"
+    assert counted.calls == 2 and run.logits == [None, None]
+    assert run.losses == eager.losses
+    assert_same_grads(eager, run)

@@ -38,7 +38,7 @@ VOCAB_MODES: List[str] = [
     "off_chunked",
     "full",
     "full_chunked",
-    "full_chunked_128",
+    "full_chunked_32",
     "selective_attn",
     "selective_attn_chunked",
     "full_no_head",

@@ -137,6 +137,7 @@ class BudgetController:
         self._rescaled_from: Optional[List[LayerFigures]] = None
         self._over: set = set()  # the choices measured over the budget
         self._head_peak: Optional[int] = None  # the measuring step's peak when backward reached the layers
+        self._head_forward_peak: Optional[int] = None  # its peak from the last layer's forward to backward
         self._measured: Dict[tuple, int] = {}  # the peak each measured choice had
         self._measured_modules: List[nn.Module] = []  # what this step's measurement watches
         self._measured_optimizers: List[torch.optim.Optimizer] = []
@@ -174,6 +175,7 @@ class BudgetController:
             self.meter.dry = self.policy is not None
             self.meter.start()
             self.meter.on_first_recompute = self._read_head_peak
+            self.meter.on_last_forward = self._head_forward_starts
         elif self._trying_rules():
             self.meter.dry = False
             self.meter.start()
@@ -183,9 +185,18 @@ class BudgetController:
             self._measurement.__enter__()
 
     def before_backward(self) -> None:
-        """At backward's start, in the measuring step: the peak from here to the layers is the output head's."""
+        """At backward's start, in the measuring step: the peak since the last layer's forward is the output head's
+        forward's, and the peak from here to the layers its backward's."""
         if self.phase == _MEASURE and self._measurement is not None and self.in_step:
+            if self._head_forward_peak is not None:
+                self._head_forward_peak = self._measurement.peak_so_far()
             self._measurement.restart_peak()
+
+    def _head_forward_starts(self) -> None:
+        """After the last layer's forward in the measuring step: what follows until backward is the head's forward."""
+        if self._measurement is not None:
+            self._measurement.restart_peak()
+            self._head_forward_peak = 0
 
     def _read_head_peak(self) -> None:
         """When backward reaches the layers in the measuring step: the peak since backward started is the output
@@ -209,7 +220,7 @@ class BudgetController:
         self.measured_peak = peak if peak is not None else self.measured_peak
         if self.phase == _MEASURE:
             assert readings is not None and peak is not None
-            self.meter.on_first_recompute = None
+            self.meter.on_first_recompute = self.meter.on_last_forward = None
             self._take_figures(readings)
             self._split_head(peak)
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
@@ -364,20 +375,23 @@ class BudgetController:
         self.head_bytes = int(HEAD_FACTOR * head)
 
     def _split_head(self, peak: int) -> None:
-        """From the measuring step (every layer recomputed): the output head's working set is the peak of backward
-        until it reached the layers, less what was held then (every layer's input, and what was saved outside them);
-        the layers' positions take what their figures do not see from the step's peak, where it is theirs."""
+        """From the measuring step (every layer recomputed): the output head's working set is the larger of its
+        forward's peak (from the last layer's forward to backward) and its backward's (until backward reached the
+        layers), less what was held then (every layer's input, and what was saved outside them); the layers'
+        positions take what their figures do not see from the step's peak, where it is theirs. Without a chunked
+        loss the head's backward holds more (the logits and their gradient); with it, its forward does (each chunk's
+        logits and their gradient are computed there, and backward only scales what they left)."""
         assert self.figures is not None
-        head_peak = self._head_peak
-        self._head_peak = None
+        head_peak, forward_peak = self._head_peak, self._head_forward_peak
+        self._head_peak = self._head_forward_peak = None
         if head_peak is None:
             return  # no recompute reached (a step without backward): the head's saved bytes stand
-        head_peak = int(self._agree([head_peak])[0])
+        head_peak, forward_peak = (int(v) for v in self._agree([head_peak, forward_peak or 0]))
         everything = [Choice.recompute] * len(self.figures)
         held = self.outside_bytes + sum(f.input_bytes for f in self.figures)
         layers_peak = estimate(self.figures, everything, self.outside_bytes, 0)[0]  # without the head
-        layer_extra = max(0, peak - layers_peak) if peak > head_peak else 0
-        self.head_bytes = max(0, head_peak - held - layer_extra)
+        layer_extra = max(0, peak - layers_peak) if peak > max(head_peak, forward_peak) else 0
+        self.head_bytes = max(0, max(head_peak, forward_peak) - held - layer_extra)
 
     def _trying_rules(self) -> bool:
         """Whether this step runs the save rules in a layer whose selective figures are still a guess."""

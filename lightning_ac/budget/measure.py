@@ -227,6 +227,9 @@ class LayerMeter:
         # called once a step, when backward reaches the layers (the first recompute): the output head's backward is
         # done by then
         self.on_first_recompute: Optional[Callable[[], None]] = None
+        # called after each forward call of the last layer: what follows until backward is the output head's forward
+        # (with the loss chunked, its whole working set: each chunk's logits and their gradient, computed there)
+        self.on_last_forward: Optional[Callable[[], None]] = None
         self._recomputed = False
         self.outside_bytes = 0
         self.head_bytes = 0
@@ -304,7 +307,10 @@ class LayerMeter:
             else:
                 count = torch.is_grad_enabled()
                 reading.forwards_without_grad += not count
-            return self._measured_call(index, reading, function, args, field, under_rules, count)
+            out = self._measured_call(index, reading, function, args, field, under_rules, count)
+            if not in_backward and index == len(self.layers) - 1 and self.on_last_forward is not None:
+                self.on_last_forward()
+            return out
 
         return measured
 
