@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from estimate_job import run_estimate  # noqa: E402
 from lm import CausalLM, LossPrinter, build_model, make_dataloader  # noqa: E402
 from modes import mode_label  # noqa: E402
 from sweep import write_sweep_summary  # noqa: E402
@@ -184,6 +185,11 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     if not isinstance(cfg.print_every, int) or cfg.print_every < 1:
         raise ConfigError(f"print_every: expected an integer >= 1, got {cfg.print_every!r}.")
     progress = progress_mode(cfg.progress, cfg.trainer)
+    if parse_bool(cfg.estimate, "estimate"):
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        estimated = run_estimate(cfg, out_dir)
+        log.info("estimate: %s, %s (nothing trained)", out_dir / "estimate.md", out_dir / "estimate.json")
+        return estimated
     if cfg.model.config.vocab_size < 256:
         raise ConfigError(
             "model.config.vocab_size: the example trains on bytes, so it needs >= 256, "

@@ -497,3 +497,63 @@ def test_bad_budgets_stop_before_training(tmp_path, override, words):
     assert "Traceback" not in result.stderr and "step    1" not in result.stdout + result.stderr
     for word in words:
         assert word in result.stderr, (word, result.stderr[-1500:])
+
+
+def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(tmp_path):
+    modes = "estimate_modes=[off,full,'full+chunked_loss']"
+    result = ok(train(tmp_path, "estimate=true", "model.config.vocab_size=4096", modes, "estimate_device_memory=2GiB"))
+    data = json.loads((tmp_path / "run" / "estimate.json").read_text())
+    assert [s["mode"] for s in data["steps"]] == ["off", "full", "full+chunked_loss"]
+    assert {(s["seq"], s["batch"]) for s in data["steps"]} == {(32, 2)}, "data.seq_len x data.batch_size"
+    assert data["dtype"] == "float32" and data["optimizer"] == "adamw", "the cpu trainer's 32-true, AdamW"
+    assert data["device_memory_bytes"] == [2 * 2**30] and all(s["fits"] for s in data["steps"])
+    assert (tmp_path / "run" / "estimate.md").read_text() in result.stdout
+    assert "| `full+chunked_loss` |" in result.stdout
+    assert not (tmp_path / "run" / "summary.json").exists(), "nothing trained"
+    # the job's model, as the estimator builds it from the same values
+    from lightning_ac.estimate import estimate
+
+    direct = estimate(
+        "llama",
+        32,
+        batch=2,
+        dtype="float32",
+        lora=16,
+        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        modes=["full"],
+        overrides={
+            **yaml_config("model/llama.yaml"),
+            "vocab_size": 4096,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+        },
+    )
+    full = next(s for s in data["steps"] if s["mode"] == "full")
+    assert full["activation_peak_bytes"] == direct.step("full", 32).activation_peak_bytes
+    assert full["parameter_bytes"] == direct.step("full", 32).parameter_bytes
+
+
+def yaml_config(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / name).config)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["trainer=gpu"], "trainer.precision=bf16-mixed keeps float32 weights"),
+        (["estimate_modes=[nope]"], "estimate=true: estimate_modes nope: unknown mode"),
+        (["estimate_device_memory=lots"], "estimate=true: estimate_device_memory"),
+        (["estimate=maybe"], "estimate"),
+    ],
+)
+def test_bad_estimate_values_stop_with_the_key_and_the_fix(tmp_path, overrides, words):
+    result = (
+        train(tmp_path, "estimate=true", *overrides)
+        if overrides[0] != "estimate=maybe"
+        else train(tmp_path, *overrides)
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert words in result.stderr, result.stderr[-2000:]

@@ -75,6 +75,9 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
+    # GPT-2: Conv1D projections (PEFT's default target c_attn), learned positions, a head tied to the embeddings
+    ("gpt2", {}, torch.float32, Training(4, None), "adamw", 32, ["off", "full"]),
+    pytest.param("gpt2", {}, torch.bfloat16, FULL, "adamw", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
     pytest.param(
         "llama", {}, torch.bfloat16, LORA, "adamw", 32, ["full", "off+chunked_loss", "selective_attn_mm"], marks=SLOW
     ),
@@ -276,6 +279,28 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
         ("full+chunked_loss", 600 * 2**20),
     ]
     assert data["longest"][1]["seq"] >= data["longest"][0]["seq"] > 64 and data["longest"][2]["seq"] == 0
+
+
+def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(tmp_path, tiny_dir, capsys):
+    from lightning_ac.estimate.plot import series
+
+    out = tmp_path / "out"
+    argv = ["--model", tiny_dir, "--set", "num_hidden_layers=2", "--seq", "32", "--modes", "off", "full"]
+    result = main(argv + ["--device-memory", "1.2GiB", "--seq-step", "1024", "--out", str(out), "--optimizer", "sgd"])
+    printed, err = capsys.readouterr()
+    assert (out / "estimate.md").read_text() == printed
+    data = json.loads((out / "estimate.json").read_text())
+    assert [s["seq"] for s in data["steps"]] == [32, 32] and data["search_steps"], "the search's steps are kept too"
+    assert all(s["seq"] != 32 for s in data["search_steps"])
+    assert (out / "estimate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "estimate.png" in err
+    points = series(result)
+    assert list(points) == ["off", "full"]
+    for mode, line in points.items():
+        seqs = [seq for seq, _, _ in line]
+        assert seqs == sorted(set(seqs)) and 32 in seqs and len(seqs) > 1, mode
+        assert all(needed > peak > 0 for _, peak, needed in line), "the device total and its margin hold the peak"
+    longest = {f.mode: f.seq for f in result.longest}
+    assert longest["off"] in [seq for seq, _, _ in points["off"]], "the longest fit is a point of the line"
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ The core package never imports from here; this package imports the core.
 # Re-exported objects are the modules' own (not copies): tests register presets with
 # ``monkeypatch.setitem(bench.PRESETS, ...)`` and the runner must see them.
 from lightning_ac.bench.cli import main
-from lightning_ac.bench.modes import BUDGET_MODES, LAYER_OFFLOAD_MODES, MODES
+from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES, BUDGET_MODES, LAYER_OFFLOAD_MODES, MODES
 
 # private, but reachable as ``bench._availability`` (tests call it): the alias marks the re-export as intended
 from lightning_ac.bench.modes import _availability as _availability
@@ -30,6 +30,7 @@ from lightning_ac.bench.run import Row, run_benchmark
 from lightning_ac.bench.tables import fastest_fixed_mode, results_markdown
 
 __all__ = [
+    "ACCELERATOR_SUITE_MODES",
     "BUDGET_MODES",
     "LAYER_OFFLOAD_MODES",
     "MODES",

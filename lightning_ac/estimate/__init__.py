@@ -14,6 +14,7 @@ is made and freed. See :func:`estimate`; the modules, one job each:
     :mod:`~lightning_ac.estimate.fit`: fits or not (with a stated margin), and the longest length that fits.
     :mod:`~lightning_ac.estimate.results`: the typed results.
     :mod:`~lightning_ac.estimate.render`: the markdown table.
+    :mod:`~lightning_ac.estimate.plot`: activation peak and device total against the length (``--out``).
     :mod:`~lightning_ac.estimate.cli`: ``python -m lightning_ac.estimate``.
 """
 
@@ -105,6 +106,7 @@ def estimate(
     longest: bool = True,
     seq_step: int = 512,
     progress: Optional[Callable[[str], None]] = None,
+    attention: str = "sdpa",
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -130,6 +132,7 @@ def estimate(
         longest: With ``device_memory``, search each mode's longest length that fits (fake steps of their own).
         seq_step: The granularity of that search.
         progress: Called with a line as each fake step ends.
+        attention: The attention implementation (``sdpa``, as the estimate's notes assume, or ``eager``).
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -143,7 +146,7 @@ def estimate(
     devices = _device_bytes(device_memory)
     training = Training(None) if full_finetune else Training(lora, tuple(lora_targets) if lora_targets else None)
     chosen = resolve_modes(modes, training.full_finetune)
-    config = load_config(model, overrides or {})
+    config = load_config(model, overrides or {}, attention)
     torch_dtype = getattr(torch, dtype)
     with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
         shape = build_model(config, torch_dtype, training)
@@ -184,4 +187,5 @@ def estimate(
                 return step
 
             result.longest.append(longest_fit(mode.name, known, probe, device, seq_step))
+    result.search_steps = [step for (_, length), step in searched.items() if length not in seqs]
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -90,6 +91,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", choices=("cuda", "cpu"), default="cuda", help="cuda rounds allocations to 512 bytes")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write estimate.md, estimate.json and estimate.png (activation peak and device total against the "
+        "length, per mode, with the devices' lines; needs matplotlib)",
+    )
     return p
 
 
@@ -105,6 +114,7 @@ def to_json(result: Estimate) -> dict:
         "device_memory_bytes": result.device_memory_bytes,
         "steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.steps],
         "longest": [vars(fit) for fit in result.longest],
+        "search_steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.search_steps],
         "notes": result.notes,
     }
 
@@ -112,6 +122,8 @@ def to_json(result: Estimate) -> dict:
 def main(argv: Optional[List[str]] = None) -> Estimate:
     p = parser()
     args = p.parse_args(argv)
+    if args.out is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error("--out plots with matplotlib, which is not installed: pip install 'lightning_ac[examples]'")
     try:
         overrides = dict(parse_set(item) for item in args.sets)
         result = estimate(
@@ -134,7 +146,17 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
     except EstimateError as err:
         p.error(str(err))
     print(markdown(result), end="")
+    data = json.dumps(to_json(result), indent=2) + "\n"
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+        args.json.write_text(data)
+    if args.out is not None:
+        from lightning_ac.estimate.plot import plot
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "estimate.md").write_text(markdown(result))
+        (args.out / "estimate.json").write_text(data)
+        plot(result, args.out / "estimate.png")
+        print(f"written: {args.out / 'estimate.md'}, {args.out / 'estimate.json'}, {args.out / 'estimate.png'}",
+              file=sys.stderr)  # fmt: skip
     return result

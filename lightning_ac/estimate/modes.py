@@ -37,13 +37,9 @@ def _table() -> Dict[str, Mode]:
     checkpointing, as the benchmark runs them), by name."""
     import lightning_ac.bench as bench
 
-    try:  # the modes that run on an accelerator only: not among bench's public names yet
-        from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES  # type: ignore[import-not-found]
-    except ImportError:
-        from lightning_ac.bench.harness import ACCELERATOR_SUITE_MODES
     skipped = {**bench.BUDGET_MODES}
     table: Dict[str, Mode] = {}
-    for name, block in {**bench.MODES, **ACCELERATOR_SUITE_MODES}.items():
+    for name, block in {**bench.MODES, **bench.ACCELERATOR_SUITE_MODES}.items():
         if name in skipped or callable(block) or name.endswith("_compiled"):
             continue
         table[name] = Mode(name, block)

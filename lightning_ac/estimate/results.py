@@ -116,6 +116,7 @@ class Estimate:
         margin_bytes: The margin assumed beyond allocated bytes (see :data:`lightning_ac.estimate.fit.MARGIN_NOTE`).
         steps: One :class:`StepEstimate` per mode and length.
         longest: With device sizes: the longest sequence each mode fits on each.
+        search_steps: The fake steps that search ran, at lengths not asked for.
         notes: What the figures do not see or assume, one sentence each.
     """
 
@@ -129,6 +130,7 @@ class Estimate:
     margin_bytes: int = 0
     steps: List[StepEstimate] = field(default_factory=list)
     longest: List[LongestFit] = field(default_factory=list)
+    search_steps: List[StepEstimate] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def step(self, mode: str, seq: int) -> StepEstimate:
