@@ -5,7 +5,8 @@ Saved bytes are counted where autograd saves them: a saved-tensor hook pushed in
 tensor and hands it on to the hooks that were in force (torch's checkpoint packs it into its frame and drops it, so
 the count costs no memory). Parameters, and views of them, are not activations and are left out; a storage saved
 twice in a step (two views of it, or the rotary tables every layer saves) counts once. Storages are told apart by
-address and a weak reference: the allocator hands a dropped tensor's address to the next one.
+identity (the one Python object torch keeps per storage; never ``data_ptr()``, which is 0 for every fake tensor) and
+a weak reference: a dropped storage's identity can be handed to the next one.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def _identity(tensor: Any) -> Any:
 
 
 def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of ``tensor``'s storage while it lives (torch keeps one Python object per storage for as long
+    as the storage exists), not its address: every fake tensor's ``data_ptr()`` is 0, so addresses would take every
+    activation of a fake step (the estimate's) for one storage, or for a parameter."""
     try:
-        return tensor.untyped_storage().data_ptr()
+        return id(tensor.untyped_storage())
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own
         return None
 
@@ -77,18 +81,18 @@ def held_bytes(function: Callable[..., Any], args: Sequence[Any], device: torch.
 
 
 def _parameter_storages(module: nn.Module, device: torch.device) -> Set[int]:
-    """The storage addresses of ``module``'s parameters on ``device``."""
+    """The storage identities of ``module``'s parameters on ``device``."""
     return {key for p in module.parameters() if p.device == device and (key := _storage_key(p)) is not None}
 
 
 class _Storages:
-    """The storages seen in a step, by address, each with a weak reference that tells a reused address apart."""
+    """The storages seen in a step, by identity, each with a weak reference that tells a reused identity apart."""
 
     def __init__(self) -> None:
         self._seen: Dict[int, Any] = {}
 
     def first_sight(self, tensor: torch.Tensor) -> Optional[int]:
-        """The storage's address if it was not seen alive before, else ``None``."""
+        """The storage's identity if it was not seen alive before, else ``None``."""
         key = _storage_key(tensor)
         if key is None:
             return None
@@ -375,7 +379,7 @@ class LayerMeter:
         return tokens
 
     def _new_activation(self, tensor: torch.Tensor, parameters: Set[int]) -> Optional[int]:
-        """The storage address of ``tensor`` if it is an activation on the device not seen alive yet this step (not a
+        """The storage identity of ``tensor`` if it is an activation on the device not seen alive yet this step (not a
         parameter, nor a view of one), else ``None``."""
         if tensor.device != self.device or isinstance(tensor, nn.Parameter):
             return None
