@@ -3,6 +3,7 @@ the caller's process is left as it was; the CLI's output and its refusals; the l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ import lightning_ac.estimate.step as step_module
 from lightning_ac import ActivationCheckpointing
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.estimate import EstimateError, estimate
+from lightning_ac.estimate.budget import measure, plan_for
 from lightning_ac.estimate.cli import JSON_FIELDS, main
 from lightning_ac.estimate.fit import fits, longest_fit, margin_bytes
 from lightning_ac.estimate.models import Training, build_model, load_config, parse_set
@@ -54,17 +56,17 @@ def _nbytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", extra=()):
+def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", extra=(), steps=2):
     """The same step measured for real on the CPU: two steps of a real Trainer, the second measured by the
     benchmark's StepMetrics (lightning_ac.memory.measure_step); and the callbacks, module and optimizer after it."""
     torch.manual_seed(0)
     model = build_model(config, dtype, training, device="cpu")
     callbacks = mode_callbacks(mode, config.num_hidden_layers)
     metrics = StepMetrics(measure_step=1, warmup_steps=0)
-    trainer = step_trainer([*callbacks, metrics, *extra], max_steps=2)
+    trainer = step_trainer([*callbacks, metrics, *extra], max_steps=steps)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     module = _Measured(model, optimizer, foreach=False)
-    trainer.fit(module, torch.utils.data.DataLoader([ids, ids], batch_size=None))
+    trainer.fit(module, torch.utils.data.DataLoader([ids] * steps, batch_size=None))
     return metrics.peak.activation_bytes, callbacks, module, trainer
 
 
@@ -150,12 +152,15 @@ def test_the_estimate_equals_the_measured_cpu_step(family, overrides, dtype, tra
 
 
 class _KeepBudget(pl.Callback):
-    """The memory budget's controller after the first training step (the measuring step)."""
+    """The memory budget's controller after the first training step (the measuring step), or the last."""
 
     controller = None
 
+    def __init__(self, last: bool = False) -> None:
+        self.last = last
+
     def on_train_batch_end(self, trainer, pl_module, *args):
-        if self.controller is None:
+        if self.controller is None or self.last:
             block = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
             self.controller = block.plan.budget
 
@@ -181,6 +186,49 @@ def test_the_budgets_meter_measures_a_fake_step_as_a_real_one(monkeypatch, selec
     figures, outside, head, tokens = _bytes_of(fake.controller)
     assert (figures, outside, head, tokens) == _bytes_of(real.controller)
     assert all(saved > inputs > 0 for saved, inputs, _, _ in figures) and head > 0 and tokens == 64
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.6])
+def test_the_budgets_plan_from_an_estimate_is_the_one_a_real_run_settles_on(fraction):
+    """The plan made from a fake measuring step's figures is the plan the closed loop settles on for real under the
+    same budget, and its estimated peak is within 2% of the real step's measured peak. The bytes are the fake step's;
+    the layers' times, which a fake step does not have (its ops' wall time on this CPU), are the real run's: between
+    alike layers they alone decide which to keep, and a loaded machine reorders them."""
+    config = tiny_config("llama")
+    off, full = (
+        fake_step(config, torch.float32, LORA, m, 64, 2, "adamw", "cpu") for m in resolve_modes(["off", "full"], False)
+    )
+    budget = int(full.activation_peak_bytes + fraction * (off.activation_peak_bytes - full.activation_peak_bytes))
+    _, figures = measure("budget", config, torch.float32, LORA, 64, 2, "adamw", "cpu", block={})
+    real = _KeepBudget(last=True)
+    _measure(config, torch.float32, LORA, Mode("budget", {"budget": budget}), 64, extra=[real], steps=4)
+    assert real.controller.settled and real.controller.corrections == 0
+    timed = [
+        dataclasses.replace(f, recompute_seconds=r.recompute_seconds)
+        for f, r in zip(figures.layers, real.controller.figures)
+    ]
+    plan = plan_for("budget", 64, 2, dataclasses.replace(figures, layers=timed), budget, 0)
+    assert plan.fits and "keep" in plan.choices and "recompute" in plan.choices, plan
+    assert [c.value for c in real.controller.choices] == plan.choices
+    measured = real.controller.measured_peak
+    assert measured <= budget and abs(plan.estimated_peak_bytes - measured) <= 0.02 * measured, (plan, measured)
+
+
+def test_the_budget_mode_needs_a_device_and_prints_its_plan(tiny_dir, capsys):
+    with pytest.raises(EstimateError, match="--modes budget: the budget's plan is made for a device's memory"):
+        estimate(tiny_dir, seq=[32], modes=["budget"])
+    result = main(["--model", tiny_dir, "--seq", "32", "--modes", "budget", "chunked_loss", "--device-memory", "1.1GiB",
+                   "1GiB", "--no-longest"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert not result.steps and [(p.mode, p.device_memory_bytes) for p in result.budget_plans] == [
+        ("budget", int(1.1 * 2**30)),
+        ("budget", 2**30),
+        ("budget+chunked_loss", int(1.1 * 2**30)),
+        ("budget+chunked_loss", 2**30),
+    ]
+    roomy, none = result.budget_plans[:2]
+    assert roomy.fits and roomy.layers == "kkkk" and f"| `budget: {roomy.setting}` | kkkk | 0% |" in out
+    assert not none.fits and none.layers == "rrrr" and "none: the rest does not fit" in out
 
 
 def test_the_breakdown_adds_up():

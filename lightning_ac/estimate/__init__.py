@@ -12,6 +12,7 @@ is made and freed. See :func:`estimate`; the modules, one job each:
     :mod:`~lightning_ac.estimate.isolation`: the fake session, and what it puts back for the caller.
     :mod:`~lightning_ac.estimate.step`: one fake training step of one mode.
     :mod:`~lightning_ac.estimate.fit`: fits or not (with a stated margin), and the longest length that fits.
+    :mod:`~lightning_ac.estimate.budget`: the memory budget's plan for a device, from a fake measuring step.
     :mod:`~lightning_ac.estimate.results`: the typed results.
     :mod:`~lightning_ac.estimate.render`: the markdown table.
     :mod:`~lightning_ac.estimate.plot`: activation peak and device total against the length (``--out``).
@@ -25,15 +26,17 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_ac.estimate.budget import BUDGET, BudgetPlan, budget_plans
 from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
 from lightning_ac.estimate.isolation import fake_session
 from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
 from lightning_ac.estimate.models import lora_targets as _targets_of
-from lightning_ac.estimate.modes import known_modes, resolve_modes
+from lightning_ac.estimate.modes import CHUNKED, known_modes, resolve_modes
 from lightning_ac.estimate.results import Estimate, LongestFit, StepEstimate
 from lightning_ac.estimate.step import OPTIMIZERS, fake_step
 
 __all__ = [
+    "BudgetPlan",
     "DTYPES",
     "NOTES",
     "Estimate",
@@ -76,6 +79,23 @@ def _check(
         raise EstimateError(f"--optimizer {optimizer}: choose from {', '.join(OPTIMIZERS)}")
     if target not in ("cuda", "cpu"):
         raise EstimateError(f"target {target!r}: cuda (allocations rounded to 512 bytes) or cpu (exact bytes)")
+
+
+def _budget_modes(modes: Optional[Sequence[str]]) -> tuple[List[str], Optional[List[str]]]:
+    """The budget modes asked for (``budget``, ``budget+chunked_loss``; ``chunked_loss`` adds the latter), and the
+    other names (``None`` when none were given: every mode)."""
+    if not modes:
+        return [], None
+    budgets = [m for m in modes if m.partition("+")[0] == BUDGET]
+    for name in budgets:
+        if name not in (BUDGET, f"{BUDGET}+{CHUNKED}"):
+            raise EstimateError(f"--modes {name}: unknown mode; the budget's are {BUDGET} and {BUDGET}+{CHUNKED}")
+    if BUDGET in budgets and CHUNKED in modes and f"{BUDGET}+{CHUNKED}" not in budgets:
+        budgets.append(f"{BUDGET}+{CHUNKED}")
+    others = [m for m in modes if m.partition("+")[0] != BUDGET]
+    if budgets and others == [CHUNKED]:
+        others = []
+    return budgets, others
 
 
 def _device_bytes(device_memory: Union[int, str, Sequence[Union[int, str]], None]) -> List[int]:
@@ -122,7 +142,8 @@ def estimate(
         lora_targets: The modules LoRA adapts, instead of PEFT's default for the model type.
         optimizer: ``adamw``, ``sgd`` (no momentum: no state) or ``none`` (gradients, no step).
         modes: Mode names (:func:`known_modes`), ``NAME+chunked_loss``, or ``chunked_loss`` (each mode with the
-            chunked loss too); every suite mode when ``None``.
+            chunked loss too); every suite mode when ``None``. ``budget`` (and ``budget+chunked_loss``) needs
+            ``device_memory``: the memory budget's plan for each device (:mod:`lightning_ac.estimate.budget`).
         device_memory: The device's size (bytes, or ``"80GiB"``), or several: each step says whether it fits each,
             with a stated margin (:data:`lightning_ac.estimate.fit.MARGIN_NOTE`), and each mode its longest length
             that fits each.
@@ -145,7 +166,12 @@ def estimate(
     _check(seqs, batch, dtype, None if full_finetune else lora, optimizer, target, seq_step)
     devices = _device_bytes(device_memory)
     training = Training(None) if full_finetune else Training(lora, tuple(lora_targets) if lora_targets else None)
-    chosen = resolve_modes(modes, training.full_finetune)
+    budgets, others = _budget_modes(modes)
+    if budgets and not devices:
+        raise EstimateError(
+            f"--modes {budgets[0]}: the budget's plan is made for a device's memory; give --device-memory SIZE"
+        )
+    chosen = resolve_modes(others, training.full_finetune) if others or not budgets else []
     config = load_config(model, overrides or {}, attention)
     torch_dtype = getattr(torch, dtype)
     with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
@@ -176,6 +202,12 @@ def estimate(
     for mode in chosen:
         for length in seqs:
             result.steps.append(run(mode, length))
+    for name in budgets:
+        for length in seqs:
+            step, plans = budget_plans(name, config, torch_dtype, training, length, batch, optimizer, target, devices)
+            result.budget_plans += plans
+            if progress is not None:
+                progress(f"estimate: {name} measuring step at {length} x {batch} tokens ({step.seconds:.1f} s)")
     searched: dict = {}  # (mode, length) -> step: the search on one size reuses the steps it made on another
     for device in devices if longest else []:
         for mode in chosen:

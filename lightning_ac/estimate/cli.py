@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="MODE",
-        help=f"default: every mode ({', '.join(known_modes())}; NAME+chunked_loss; chunked_loss adds each with it)",
+        help=f"default: every mode but budget ({', '.join(known_modes())}; NAME+chunked_loss; chunked_loss adds each "
+        "with it; budget, with --device-memory, is the memory budget's plan for each device)",
     )
     p.add_argument(
         "--device-memory",
@@ -115,6 +116,7 @@ def to_json(result: Estimate) -> dict:
         "steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.steps],
         "longest": [vars(fit) for fit in result.longest],
         "search_steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.search_steps],
+        "budget_plans": [{**vars(p), "setting": p.setting, "layers": p.layers} for p in result.budget_plans],
         "notes": result.notes,
     }
 

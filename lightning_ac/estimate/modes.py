@@ -50,8 +50,9 @@ def _table() -> Dict[str, Mode]:
 
 
 def known_modes() -> List[str]:
-    """Every mode name an estimate takes, ``chunked_loss`` last."""
-    return list(_table()) + [CHUNKED]
+    """Every mode name an estimate takes: the table's, ``budget`` (the memory budget's plan for a device), and
+    ``chunked_loss`` last."""
+    return list(_table()) + ["budget", CHUNKED]
 
 
 def default_modes(full_finetune: bool) -> List[str]:

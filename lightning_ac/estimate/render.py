@@ -1,10 +1,12 @@
-"""The estimate as markdown: a row per mode and length, then the longest sequence each mode fits."""
+"""The estimate as markdown: a row per mode and length, the longest sequence each mode fits, the budget's plans."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_ac.estimate.results import Estimate, StepEstimate
 
-__all__ = ["gib", "markdown", "progress_line"]
+__all__ = ["describe_plan", "gib", "markdown", "progress_line"]
 
 
 def gib(nbytes: int, unit: int = 2**30) -> str:
@@ -63,8 +65,30 @@ def markdown(estimate: Estimate) -> str:
                 fit = next(f for f in estimate.longest if f.mode == name and f.device_memory_bytes == d)
                 cells.append(f">= {fit.seq}" if fit.limited else (str(fit.seq) if fit.seq else f"< {fit.step}"))
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    if estimate.budget_plans:
+        lines += [
+            "",
+            "Memory budget: the plan for each device, from the figures of a fake measuring step (every layer "
+            "recomputed, as the budget's first step), with `selective: {save: [attention]}`; layers: k keep, "
+            "s save rules, r recompute; recompute: the plan's recompute time as a share of every layer's:",
+            "",
+            "| mode | seq x batch | device | setting | layers | recompute | activation peak | device total | fits |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [describe_plan(plan, unit) for plan in estimate.budget_plans]
     lines += [""] + [f"- {note}" for note in estimate.notes]
     return "\n".join(lines) + "\n"
+
+
+def describe_plan(plan: Any, unit: int) -> str:
+    """A markdown row of a :class:`~lightning_ac.estimate.budget.BudgetPlan`."""
+    fits = "yes" if plan.fits else "**no** (every layer recomputed)"
+    setting = f"`budget: {plan.setting}`" if plan.setting != "none" else "none: the rest does not fit"
+    return (
+        f"| `{plan.mode}` | {plan.seq} x {plan.batch} | {gib(plan.device_memory_bytes, unit)} | {setting} | "
+        f"{plan.layers} | {plan.recompute_share:.0%} | {gib(plan.estimated_peak_bytes, unit)} | "
+        f"{gib(plan.device_total_bytes, unit)} | {fits} |"
+    )
 
 
 def progress_line(step: StepEstimate) -> str:

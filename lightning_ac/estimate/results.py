@@ -117,6 +117,8 @@ class Estimate:
         steps: One :class:`StepEstimate` per mode and length.
         longest: With device sizes: the longest sequence each mode fits on each.
         search_steps: The fake steps that search ran, at lengths not asked for.
+        budget_plans: With ``budget`` among the modes: the memory budget's plan for each device and length
+            (:class:`lightning_ac.estimate.budget.BudgetPlan`).
         notes: What the figures do not see or assume, one sentence each.
     """
 
@@ -131,6 +133,7 @@ class Estimate:
     steps: List[StepEstimate] = field(default_factory=list)
     longest: List[LongestFit] = field(default_factory=list)
     search_steps: List[StepEstimate] = field(default_factory=list)
+    budget_plans: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def step(self, mode: str, seq: int) -> StepEstimate:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -309,8 +309,10 @@ def fake_step(
     batch: int,
     optimizer: str = "adamw",
     target: str = "cuda",
+    extra_callbacks: Sequence[Callback] = (),
 ) -> StepEstimate:
-    """One training step of ``mode`` at ``batch`` x ``seq`` tokens on fake tensors (see the module's docstring).
+    """One training step of ``mode`` at ``batch`` x ``seq`` tokens on fake tensors (see the module's docstring);
+    ``extra_callbacks`` run beside the suite's (the budget's plan reads its controller there).
 
     Raises:
         EstimateError: If an op has no fake implementation (naming the op and the mode), or the mode does not apply
@@ -334,7 +336,9 @@ def fake_step(
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
         module = _StepModule(model, optimizer, foreach=target == "cuda")
-        trainer = step_trainer([*callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu")))
+        trainer = step_trainer(
+            [*callbacks, *extra_callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu"))
+        )
         loader = _OneBatch(ids)  # not a DataLoader, which draws its seed from the random state
         try:
             with fake:
