@@ -1,9 +1,9 @@
 """The modes an estimate runs: the benchmark's mode table (one definition of the modes, used by both), and
 ``chunked_loss`` as one more setting of any of them (``full+chunked_loss``).
 
-The benchmark's budget rows place a budget between two measured peaks and settle over several steps; the budget's
-plan from an estimate is not made here yet. Its compiled rows and anchors are not the suite's block, and fake tensors
-do not compile.
+The benchmark's budget rows place a budget between two measured peaks and settle over several steps; an estimate's
+``budget`` is the plan for a device instead (:mod:`lightning_ac.estimate.budget`), outside this table. The benchmark's
+compiled rows and anchors are not the suite's block, and fake tensors do not compile.
 """
 
 from __future__ import annotations
