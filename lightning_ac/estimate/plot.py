@@ -37,9 +37,16 @@ def plot(result: Estimate, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (activations, device) = plt.subplots(1, 2, figsize=(14, 5.5), sharex=True)
-    for mode, points in series(result).items():
+    for index, (mode, points) in enumerate(series(result).items()):
         seqs = [p[0] for p in points]
-        style = {"marker": "o", "markersize": 3, "linewidth": 1.2, "label": mode}
+        # matplotlib's colours repeat after ten: the line style tells the modes beyond apart
+        style = {
+            "marker": "o",
+            "markersize": 3,
+            "linewidth": 1.2,
+            "label": mode,
+            "linestyle": ("-", "--", ":")[index // 10 % 3],
+        }
         activations.plot(seqs, [p[1] / GIB for p in points], **style)
         device.plot(seqs, [p[2] / GIB for p in points], **style)
     for size in result.device_memory_bytes:
