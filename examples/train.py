@@ -89,6 +89,7 @@ class BlockSchema:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     budget: Any = None
     chunked_loss: Any = None
+    budget_first_plan: Any = "measure"
 
 
 # Every activation_checkpointing option extends this schema, so any field can be overridden on any option.

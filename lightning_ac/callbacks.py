@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_ac.selfcheck as selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac.budget.first_plan import plan_from_fake_step
 from lightning_ac.config import (
     OFFLOAD_TARGETS,
     ActivationOffloadRequest,
@@ -119,8 +120,11 @@ class SuiteCallback(Callback):
     ) -> None:
         if self._is_first() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        if self._is_first() and self._plan is not None and self._plan.budget is not None:
-            self._plan.budget.begin_step(pl_module, trainer.optimizers)
+        budget = self._plan.budget if self._is_first() and self._plan is not None else None
+        if budget is not None and budget.wants_fake_step:
+            plan_from_fake_step(budget, pl_module, batch, batch_idx)
+        if budget is not None:
+            budget.begin_step(pl_module, trainer.optimizers)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
@@ -197,6 +201,10 @@ class ActivationCheckpointing(SuiteCallback):
             margin). The first step recomputes every layer and measures each; from then on the layers that fit keep
             their activations, the rest are recomputed, at the least recompute time (see :mod:`lightning_ac.budget`).
             Not with ``kwargs.every_n_layers``, which chooses the layers itself.
+        budget_first_plan: With ``budget``: ``"measure"`` (default: the first step recomputes every layer and
+            measures each) or ``"estimate"`` (before the first step, this run's training step runs once on fake
+            tensors at the first batch's shape, allocating nothing, and the first real step runs its plan and
+            checks it). See :mod:`lightning_ac.budget.first_plan`.
         chunked_loss: Compute a transformers causal-LM model's training loss a chunk of tokens at a time, so that
             the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
             memory): ``True`` (1024 tokens a chunk) or ``{"chunk_tokens": N}``. In those forwards the output's
@@ -226,6 +234,7 @@ class ActivationCheckpointing(SuiteCallback):
         budget: Union[int, str, None] = None,
         chunked_loss: Union[bool, Mapping[str, Any], None] = None,
         enabled: bool = True,
+        budget_first_plan: str = "measure",
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
@@ -238,6 +247,7 @@ class ActivationCheckpointing(SuiteCallback):
             budget=budget,
             chunked_loss=chunked_loss,
             enabled=enabled,
+            budget_first_plan=budget_first_plan,
         )
         self._init_output(verbose, prog_bar)
         self._budget_state: Optional[Dict[str, Any]] = None  # a checkpoint's settled plan, until this run takes it

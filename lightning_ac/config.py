@@ -46,6 +46,7 @@ __all__ = [
     "parse_layers",
     "parse_placement",
     "parse_budget",
+    "parse_first_plan",
     "parse_chunked_loss",
     "parse_size",
     "CHECKPOINT_KWARGS",
@@ -163,6 +164,10 @@ class ActivationCheckpointingConfig:
             recompute (:mod:`lightning_ac.budget`). ``None``: every layer the other fields name is recomputed.
         chunked_loss: The causal-LM loss computed a chunk of tokens at a time, ``None`` when off. Applies with
             ``enabled: false`` too.
+        budget_first_plan: Where the budget's first plan comes from: ``measure`` (the first training step
+            recomputes every layer and measures each) or ``estimate`` (before the first step, the user's training
+            step runs once on fake tensors at the first batch's shape, which allocates nothing, and the first real
+            step already runs the plan; see :mod:`lightning_ac.budget.first_plan`). Only with ``budget``.
     """
 
     enabled: bool = True
@@ -173,6 +178,7 @@ class ActivationCheckpointingConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     budget: Any = None
     chunked_loss: Optional[ChunkedLossConfig] = None
+    budget_first_plan: str = "measure"
 
     @property
     def use_reentrant(self) -> bool:
@@ -192,6 +198,8 @@ class ActivationCheckpointingConfig:
 
 
 IMPLEMENTATIONS = ("hf", "fsdp")
+FIRST_PLANS = ("measure", "estimate")
+_FIRST_PLAN = "budget_first_plan"
 
 # What torch.utils.checkpoint.checkpoint accepts besides the function, its inputs and the keys we set ourselves.
 # preserve_rng_state is read from **kwargs by torch; the rest are named parameters in 2.13.
@@ -367,6 +375,21 @@ def parse_budget(value: Any, name: str) -> Any:
             f"{err} Or write {AUTO} (on an accelerator: the device memory free when the first step starts, less a "
             "margin), or leave the field out to recompute every layer."
         ) from None
+
+
+def parse_first_plan(value: Any, name: str) -> str:
+    """The ``budget_first_plan`` field: ``measure`` (default) or ``estimate``."""
+    if value is None:
+        return "measure"
+    if not isinstance(value, str) or value.strip().lower() not in FIRST_PLANS:
+        raise _expected(
+            name,
+            f"one of {', '.join(FIRST_PLANS)}",
+            value,
+            "measure: the first step recomputes every layer and measures each; estimate: a step on fake tensors "
+            "before it makes the first plan.",
+        )
+    return value.strip().lower()
 
 
 def parse_tolerance(value: Any, name: str) -> float:
@@ -604,6 +627,12 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
                 f"{', '.join(i.split(':')[0] for i in ignored)}."
             )
     check_offload_targets(cfg.offload, "activation_checkpointing.offload")
+    if cfg.budget is None and cfg.budget_first_plan != "measure":
+        raise ConfigError(
+            f"activation_checkpointing.budget_first_plan: {cfg.budget_first_plan} says where the memory budget's "
+            "first plan comes from, but budget is not set. Set budget (e.g. budget: 20GiB), or remove "
+            "budget_first_plan."
+        )
     if cfg.budget is not None and "every_n_layers" in cfg.kwargs:
         raise ConfigError(
             f"activation_checkpointing.budget: {cfg.budget!r} chooses which decoder layers are recomputed, and so "
@@ -691,6 +720,7 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         offload=_parse_offload(value.get("offload")),
         budget=parse_budget(value.get("budget"), "activation_checkpointing.budget"),
         chunked_loss=parse_chunked_loss(value.get("chunked_loss")),
+        budget_first_plan=parse_first_plan(value.get("budget_first_plan"), f"activation_checkpointing.{_FIRST_PLAN}"),
     )
     check_combination(cfg)
     return cfg
@@ -730,6 +760,7 @@ class CheckpointingRequest:
         budget: Any = None,
         chunked_loss: Any = None,
         enabled: Any = True,
+        budget_first_plan: Any = None,
     ) -> CheckpointingRequest:
         """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
         layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
@@ -747,6 +778,8 @@ class CheckpointingRequest:
             )
         block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
         block = {**block, "budget": budget, "chunked_loss": chunked, "enabled": enabled}
+        first_plan = parse_first_plan(budget_first_plan, f"ActivationCheckpointing({_FIRST_PLAN}=...)")
+        block[_FIRST_PLAN] = first_plan
         return cls(parse_config(block), layers)
 
     @classmethod

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import lightning_ac.selfcheck as selfcheck
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.budget import BudgetController, Choice
+from lightning_ac.budget.first_plan import check_first_plan
 from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES
 from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
@@ -478,6 +479,9 @@ class Plan:
             assert self.device is not None
             runtime = self.activation_offload
             moved = runtime.targets if runtime is not None and self.device.type != "cpu" else []
+            if cfg.budget_first_plan == "estimate":
+                offloads = runtime is not None and bool(runtime.targets)
+                check_first_plan(self.module, offloads, self.layer_offload_request is not None)
             self.budget = BudgetController(
                 cfg.budget,
                 modules,
@@ -491,6 +495,7 @@ class Plan:
                 layer_types=layers.layer_types,
                 # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
                 head_chunkable=cfg.chunked_loss is None and bool(layers.output_heads()),
+                first_plan=cfg.budget_first_plan,
             )
             switches = self.budget.switches
         if self._engine == "hf":
@@ -657,7 +662,8 @@ class Plan:
             parts.append(f"every {cfg.every_n_layers} layers")
         if self.budget is not None:
             what = "auto" if cfg.budget == AUTO else format_bytes(cfg.budget)
-            parts.append(f"budget {what}: measuring in the first step, then choosing per layer")
+            how = "a first plan from a step on fake tensors" if cfg.budget_first_plan == "estimate" else None
+            parts.append(f"budget {what}: {how or 'measuring in the first step'}, then choosing per layer")
         if cfg.selective is not None:
             saves = [*cfg.selective.save, *(f"module {m}" for m in cfg.selective.save_modules)]
             if cfg.selective.save_matmul_min_k:

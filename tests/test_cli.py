@@ -477,6 +477,18 @@ def test_a_sweep_over_budgets(tmp_path):
     assert float(rows[0]["peak_activation_bytes"]) < float(rows[1]["peak_activation_bytes"])
 
 
+def test_the_budgets_first_plan_from_a_fake_step_in_the_main_job(tmp_path):
+    overrides = ("activation_checkpointing.budget=1GiB", "activation_checkpointing.budget_first_plan=estimate")
+    result = ok(train(tmp_path, "activation_checkpointing=budget", *overrides))
+    log = result.stdout + result.stderr
+    assert "budget 1.00 GiB: a first plan from a step on fake tensors, then choosing per layer" in log
+    assert re.search(r"the first plan, from the training step on fake tensors at the first batch's shape \(2x32\): "
+                     r"budget 1\.00 GiB: keeping 2/2 decoder layers", log), log[-3000:]  # fmt: skip
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["budget"]["choices"] == ["keep"] * 2 and summary["budget"]["settled"]
+    assert summary["activation_checkpointing"]["budget_first_plan"] == "estimate"
+
+
 @pytest.mark.parametrize(
     "override, words",
     [

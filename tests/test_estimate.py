@@ -15,8 +15,8 @@ import torch
 from conftest import tiny_config
 
 import lightning_ac.estimate as estimate_module
-import lightning_ac.estimate.isolation as isolation
 import lightning_ac.estimate.step as step_module
+import lightning_ac.fake as isolation
 from lightning_ac import ActivationCheckpointing
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.estimate import EstimateError, estimate

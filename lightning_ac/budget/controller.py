@@ -84,6 +84,8 @@ class BudgetController:
             measured cost in one layer stands for the layers of its type until they are measured themselves.
         head_chunkable: Whether the block's ``chunked_loss`` is off for a model with an output head: then, where
             the head holds a large share of the peak, the nothing-fits advice names it.
+        first_plan: ``measure`` (the first step recomputes every layer and measures them) or ``estimate`` (a step
+            on fake tensors before it does: :mod:`lightning_ac.budget.first_plan`).
     """
 
     def __init__(
@@ -99,8 +101,10 @@ class BudgetController:
         rules_held: bool = True,
         layer_types: Optional[Sequence[Optional[str]]] = None,
         head_chunkable: bool = False,
+        first_plan: str = "measure",
     ) -> None:
         self.requested = budget
+        self.first_plan = first_plan
         self.head_chunkable = head_chunkable
         self.budget_bytes: Optional[int] = None if budget == AUTO else int(budget)
         self.device = device
@@ -130,6 +134,9 @@ class BudgetController:
         self.corrections = 0
         self.phase = _MEASURE
         self._resumed = False  # a checkpoint's plan, not checked by a step of this run yet
+        self._fake = False  # this step runs on fake tensors (budget_first_plan: estimate)
+        self._estimated = False  # the plan is the fake step's, not checked by a real step yet
+        self._estimate_tried = False
         self.steps = 0
         self.in_step = False
         self._measurement: Any = None
@@ -163,10 +170,22 @@ class BudgetController:
             return None
         return self._estimate(self.choices, self.calibration)[0]
 
-    def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """At a training step's start (every micro-batch: each has its own forward and backward)."""
+    @property
+    def wants_fake_step(self) -> bool:
+        """Whether the next step should be preceded by the measuring step on fake tensors (``first_plan:
+        estimate``, nothing measured or resumed yet, and not tried before)."""
+        return self.first_plan == "estimate" and self.figures is None and not self._estimate_tried
+
+    def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fake: bool = False) -> None:
+        """At a training step's start (every micro-batch: each has its own forward and backward). ``fake``: the
+        measuring step on fake tensors (:mod:`lightning_ac.budget.first_plan`), measured by what it allocates, as on
+        the CPU: no device allocator sees fake tensors."""
         if self.in_step:  # the last one never ended: the LightningModule skipped it (on_train_batch_start gave -1)
             self.abort_step()
+        if fake:
+            assert self.phase == _MEASURE, "the fake step is the measuring step"
+            self._estimate_tried = True
+        self._fake = fake
         self.in_step, self._first_call = True, True
         if self.budget_bytes is None:
             self.budget_bytes = self._auto_budget()
@@ -181,7 +200,8 @@ class BudgetController:
             self.meter.start()
         self._measured_modules, self._measured_optimizers = [module], list(optimizers)
         if self.phase != _SETTLED or self.device.type == "cuda":
-            self._measurement = measure_step([module], list(optimizers), self.device, synchronize=False)
+            where = torch.device("cpu") if fake else self.device
+            self._measurement = measure_step([module], list(optimizers), where, synchronize=False)
             self._measurement.__enter__()
 
     def before_backward(self) -> None:
@@ -215,9 +235,10 @@ class BudgetController:
             measurement.__exit__(None, None, None)
             peak = measurement.result.activation_bytes if measurement.result is not None else None
         readings = self.meter.stop() if self.meter.active else None
-        self.steps += 1
+        fake, self._fake = self._fake, False
+        self.steps += 0 if fake else 1
         peak = int(self._agree([peak])[0]) if peak is not None else None
-        self.measured_peak = peak if peak is not None else self.measured_peak
+        self.measured_peak = peak if peak is not None and not fake else self.measured_peak
         if self.phase == _MEASURE:
             assert readings is not None and peak is not None
             self.meter.on_first_recompute = self.meter.on_last_forward = None
@@ -225,13 +246,20 @@ class BudgetController:
             self._split_head(peak)
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
             self._check(peak, first=True, measuring=True)
+            if fake:  # an estimate: the first real step checks the plan it made, whatever it chose
+                self.phase, self._estimated = _CHECK, True
             return
         if readings is not None and self._rescaled_from is not None:
             self._check_scaling(readings)  # chooses again from the measured figures: the next step checks that
             return
         if readings is not None:
             self._take_selective(readings)
-        if peak is not None and self._resumed:
+        if peak is not None and self._estimated:
+            self._estimated = False
+            # the first real step: checked like the first choice after a measured step (a first step allocates what
+            # only a first step does, so it is not held against later choices)
+            self._check(peak, first=True)
+        elif peak is not None and self._resumed:
             self._resumed = False
             assert self.budget_bytes is not None
             if peak <= self.budget_bytes:
@@ -244,12 +272,23 @@ class BudgetController:
 
     def abort_step(self) -> None:
         """After an exception: nothing measured stays active."""
-        self.in_step = False
+        self.in_step = self._fake = False
         measurement, self._measurement = self._measurement, None
         if measurement is not None:
             measurement.__exit__(RuntimeError, RuntimeError("step failed"), None)
         if self.meter.active:
             self.meter.stop()
+
+    def estimate_failed(self) -> None:
+        """The fake step could not run: the first real step measures, as with ``first_plan: measure``."""
+        self.abort_step()
+        self.phase, self.figures, self._calibrations, self.calibration = _MEASURE, None, {}, 0
+        self.meter.on_first_recompute = self.meter.on_last_forward = None
+        self._head_peak = self._head_forward_peak = None
+
+    def plan_line(self) -> str:
+        """The plan in force, as the line the budget logs when it settles."""
+        return self._summary()
 
     # -- state ------------------------------------------------------------------------------------------------
 
@@ -627,10 +666,13 @@ class BudgetController:
         """``values`` as every rank sees them: the largest of each across the ranks (as they are without any)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return values
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         device = self.device if dist.get_backend() != "gloo" else torch.device("cpu")
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        with unset_fake_temporarily():  # in the fake step too, the ranks agree on real numbers
+            tensor = torch.tensor(values, dtype=torch.float64, device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return tensor.tolist()
 
 
 def _scaled(figures: LayerFigures, ratio: float) -> LayerFigures:

@@ -9,7 +9,7 @@ is made and freed. See :func:`estimate`; the modules, one job each:
     :mod:`~lightning_ac.estimate.models`: the config (presets, files, model types, ``--set``) and the model on meta.
     :mod:`~lightning_ac.estimate.modes`: the benchmark's modes, and ``chunked_loss`` as a setting of any of them.
     :mod:`~lightning_ac.estimate.tracker`: the O(1)-per-op memory tracker, by storage identity.
-    :mod:`~lightning_ac.estimate.isolation`: the fake session, and what it puts back for the caller.
+    :mod:`~lightning_ac.fake`: the fake session, and what it puts back for the caller.
     :mod:`~lightning_ac.estimate.step`: one fake training step of one mode.
     :mod:`~lightning_ac.estimate.fit`: fits or not (with a stated margin), and the longest length that fits.
     :mod:`~lightning_ac.estimate.budget`: the memory budget's plan for a device, from a fake measuring step.
@@ -28,12 +28,12 @@ import torch
 
 from lightning_ac.estimate.budget import BUDGET, BudgetPlan, budget_plans
 from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
-from lightning_ac.estimate.isolation import fake_session
 from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
 from lightning_ac.estimate.models import lora_targets as _targets_of
 from lightning_ac.estimate.modes import CHUNKED, known_modes, resolve_modes
 from lightning_ac.estimate.results import Estimate, LongestFit, StepEstimate
 from lightning_ac.estimate.step import OPTIMIZERS, fake_step
+from lightning_ac.fake import fake_session
 
 __all__ = [
     "BudgetPlan",

@@ -22,11 +22,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_ac.estimate.isolation import fake_mode, fake_session, patched
 from lightning_ac.estimate.models import EstimateError, Training, build_model
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
+from lightning_ac.fake import fake_mode, fake_session, patched
 
 __all__ = ["OPTIMIZERS", "fake_step", "flop_registry"]
 

@@ -1,0 +1,174 @@
+"""The memory budget's first plan from the run's own training step on fake tensors (``budget_first_plan:
+estimate``): in a real Trainer, bit-exact at every step, the first real step's recompute counted with a
+TorchDispatchMode and its peak measured with MemTracker (the benchmark's StepMetrics)."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import clone, make_trainer, model_fingerprint, tiny_model
+from test_budget_mode import MM, STEPS, Controller, StepLM, assert_exact, loader, recomputed, train
+
+from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, parse_config
+from lightning_ac.budget import Choice
+
+FIRST_LINE = "budget: the first plan, from the training step on fake tensors at the first batch's shape (2x32)"
+
+
+class FakeableLM(StepLM):
+    """A training step that reads no tensor's value (the loss is recorded after the step, from its output), and logs
+    its loss with ``self.log``."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss, on_step=True, batch_size=batch[0].shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"].detach()))
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+
+class StartChoices(pl.Callback):
+    """The budget's choices as each step starts (after the suite's callbacks set them) and what the model holds."""
+
+    def __init__(self) -> None:
+        self.choices: List[List[Choice]] = []
+        self.fake_tensors = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+        self.choices.append(list(cb.plan.budget.choices))
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        self.fake_tensors += sum(isinstance(t, FakeTensor) for t in tensors)
+
+
+@pytest.fixture(scope="module")
+def references():
+    base = tiny_model("llama")
+    off, off_peak, _, _ = train(base, steps=STEPS)
+    full, full_peak, _, _ = train(base, [ActivationCheckpointing()])
+    return {"base": base, "off": off, "off_peak": off_peak, "full": full, "full_peak": full_peak}
+
+
+def run(refs, fraction: float, first_plan: str, lm=FakeableLM, **kwargs: Any):
+    budget = int(refs["full_peak"] + fraction * (refs["off_peak"] - refs["full_peak"]))
+    start = StartChoices()
+    callback = ActivationCheckpointing(budget=budget, budget_first_plan=first_plan)
+    module, _, probe, trainer = train(refs["base"], [callback, start], measure_step=0, lm=lm, **kwargs)
+    return budget, module, probe, start, trainer
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.6])
+def test_the_first_real_step_runs_the_plan_a_fake_step_made_and_checks_it(references, fraction, caplog):
+    budget, module, probe, start, trainer = run(references, fraction, "estimate")
+    measured_budget, _, measured, _, _ = run(references, fraction, "measure")
+    assert budget == measured_budget
+    # the measured run's first step recomputes every layer; the estimate's runs the plan that step would have made
+    # (as many layers kept: between alike layers the fake step's host times, which say nothing of the device, pick)
+    first = start.choices[0]
+    assert first != [Choice.recompute] * 4 and recomputed(first) == recomputed(measured.choices[0])
+    off_mm = references["off"].step_ops[-1][MM]
+    assert module.step_ops[0][MM] == off_mm + 6 * recomputed(first) < references["full"].step_ops[0][MM]
+    # the first real step checked the plan: it fit, so it stayed, with no correction, and settled there
+    assert probe.choices[0] == first and probe.budget.settled and probe.budget.corrections == 0
+    assert probe.budget.measured_peak <= budget
+    estimated = probe.budget.estimated_peak
+    assert abs(estimated - probe.budget.measured_peak) <= 0.02 * probe.budget.measured_peak
+    assert_exact(references["off"], module)
+    assert len(module.losses) == STEPS and start.fake_tensors == 0
+    assert sum(FIRST_LINE in m for m in caplog.messages) == 1, "one line, for the estimated run"
+    # what the fake step logged was not kept: the logged loss is the last real step's
+    assert float(trainer.callback_metrics["train_loss"]) == module.losses[-1]
+
+
+def test_the_fake_step_leaves_the_run_and_the_model_as_they_were(references):
+    """The random state after the run is the one a measured first step leaves (the fake step drew nothing), and the
+    model's parameters are the same objects, unchanged."""
+    after = {}
+    for first_plan in ("measure", "estimate"):
+        module = FakeableLM(clone(references["base"]))
+        fingerprint, parameters = model_fingerprint(module), [id(p) for p in module.parameters()]
+        dtype = torch.get_default_dtype()
+        callback = ActivationCheckpointing(budget=references["full_peak"] * 2, budget_first_plan=first_plan)
+        torch.manual_seed(7)
+        make_trainer([callback], max_steps=1).fit(module, loader(seqs=(32,)))
+        after[first_plan] = torch.get_rng_state()
+        assert [id(p) for p in module.parameters()] == parameters and torch.get_default_dtype() == dtype
+        assert all(p.grad is None or p.grad.device.type == "cpu" for p in module.parameters())
+        model_fingerprint(module)  # readable: real storage
+        assert module.losses and fingerprint is not None
+    assert torch.equal(after["measure"], after["estimate"])
+
+
+def test_a_step_that_cannot_run_on_fake_tensors_is_warned_and_the_first_step_measures(references):
+    # conftest's LM reads the loss's value in training_step (float(loss)), which a fake tensor does not have
+    with pytest.warns(UserWarning, match=r"budget_first_plan: estimate: the training step could not run on fake tensors"
+                      r" \(DataDependentOutputException.*loss.item\(\)") as warned:  # fmt: skip
+        _, module, probe, start, _ = run(references, 0.5, "estimate", lm=StepLM)
+    assert len([w for w in warned if "fake tensors" in str(w.message)]) == 1
+    assert start.choices[0] == [Choice.recompute] * 4, "measured as with budget_first_plan: measure"
+    assert probe.budget.settled and recomputed(probe.choices[-1]) < 4
+    assert_exact(references["off"], module)
+    assert len(module.losses) == STEPS, "the fake step left nothing in the module's records"
+
+
+def test_the_field_names_its_values_and_needs_a_budget():
+    assert parse_config({"budget": "1GiB"}).budget_first_plan == "measure"
+    assert parse_config({"budget": "1GiB", "budget_first_plan": "Estimate"}).budget_first_plan == "estimate"
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.budget_first_plan: expected one of measure, "
+                       r"estimate, got 'guess'\. measure: the first step"):  # fmt: skip
+        parse_config({"budget": "1GiB", "budget_first_plan": "guess"})
+    with pytest.raises(ConfigError, match=r"ActivationCheckpointing\(budget_first_plan=\.\.\.\): expected one of"):
+        ActivationCheckpointing(budget="1GiB", budget_first_plan=True)
+    with pytest.raises(ConfigError, match="budget_first_plan: estimate says where.*budget is not set. Set budget"):
+        parse_config({"budget_first_plan": "estimate"})
+    with pytest.raises(ConfigError, match="budget is not set"):
+        ActivationCheckpointing(budget_first_plan="estimate")
+
+
+class ManualLM(FakeableLM):
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.manual_backward(loss)
+        self.optimizers().step()
+        return loss
+
+
+@pytest.mark.parametrize("case", ["manual", "activation-offload", "layer-offload"])
+def test_what_a_fake_step_cannot_run_is_a_config_error_at_setup(references, case):
+    block = ActivationCheckpointing(budget=references["full_peak"] * 2, budget_first_plan="estimate")
+    others = {"activation-offload": [ActivationOffload(hidden_states="cpu", copy_on_host=True)],
+              "layer-offload": [LayerOffload(copy_on_host=True)]}.get(case, [])  # fmt: skip
+    base = tiny_model("llama", lora=case == "layer-offload")
+    module = (ManualLM if case == "manual" else FakeableLM)(clone(base))
+    fix = "budget_first_plan: measure"
+    match = {"manual": "uses manual optimization", "activation-offload": "activation offloading \\(offload.\\*\\)",
+             "layer-offload": "layer offloading cannot run"}[case]  # fmt: skip
+    with pytest.raises(ConfigError, match=f"activation_checkpointing.budget_first_plan: estimate .*{match}.*{fix}"):
+        make_trainer([block, *others], max_steps=2).fit(module, loader())
+    assert module.losses == [] and model_fingerprint(module) == model_fingerprint(FakeableLM(clone(base)))
+
+
+def test_a_resumed_plan_takes_no_fake_step(references, tmp_path, caplog):
+    budget = int((references["full_peak"] + references["off_peak"]) / 2)
+    callback = ActivationCheckpointing(budget=budget, budget_first_plan="estimate")
+    _, _, probe, _ = train(references["base"], [callback], steps=3, default_root_dir=tmp_path,
+                           enable_checkpointing=True, lm=FakeableLM)  # fmt: skip
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    caplog.clear()
+    again, start = Controller(), StartChoices()
+    resumed = ActivationCheckpointing(budget=budget, budget_first_plan="estimate")
+    trainer = make_trainer([resumed, again, start], max_steps=5, default_root_dir=tmp_path)
+    trainer.fit(FakeableLM(clone(references["base"])), loader(), ckpt_path=ckpt)
+    assert not any(FIRST_LINE in m for m in caplog.messages)
+    assert start.choices[0] == probe.choices[-1], "the checkpoint's plan, not a fake step's"
