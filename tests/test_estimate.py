@@ -23,7 +23,7 @@ from lightning_ac.estimate import EstimateError, estimate
 from lightning_ac.estimate.budget import measure, plan_for
 from lightning_ac.estimate.cli import JSON_FIELDS, main
 from lightning_ac.estimate.fit import fits, longest_fit, margin_bytes
-from lightning_ac.estimate.models import Training, build_model, load_config, parse_set
+from lightning_ac.estimate.models import Training, build_model, load_config, lora_targets, parse_set
 from lightning_ac.estimate.modes import Mode, resolve_modes
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks, step_trainer
@@ -31,6 +31,7 @@ from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks, s
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = Training(4, tuple(ALL_LINEARS))
 FULL = Training(None)
+QLORA = Training(4, ("q_proj", "v_proj"), qlora=True)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 
 
@@ -56,18 +57,42 @@ def _nbytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", extra=(), steps=2):
+def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", extra=(), steps=2, measured=1):
     """The same step measured for real on the CPU: two steps of a real Trainer, the second measured by the
     benchmark's StepMetrics (lightning_ac.memory.measure_step); and the callbacks, module and optimizer after it."""
     torch.manual_seed(0)
-    model = build_model(config, dtype, training, device="cpu")
+    model = _qlora_model(config, dtype, training) if training.qlora else build_model(config, dtype, training, "cpu")
     callbacks = mode_callbacks(mode, config.num_hidden_layers)
-    metrics = StepMetrics(measure_step=1, warmup_steps=0)
+    metrics = StepMetrics(measure_step=measured, warmup_steps=0)
     trainer = step_trainer([*callbacks, metrics, *extra], max_steps=steps)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    module = _Measured(model, optimizer, foreach=False)
+    module = _Measured(model, optimizer, foreach=False, loss=training.loss)
     trainer.fit(module, torch.utils.data.DataLoader([ids] * steps, batch_size=None))
     return metrics.peak.activation_bytes, callbacks, module, trainer
+
+
+def _qlora_model(config, dtype, training):
+    """A QLoRA model as users load one: the base saved, loaded back with a 4-bit (nf4) config, LoRA on top."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as saved:
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(saved)
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu", quantization_config=quantization,
+                                                     dtype=dtype)  # fmt: skip
+    rank = training.lora_rank
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(config, training))
+    return get_peft_model(model, lora).train()
+
+
+def _quant_state_bytes(module) -> int:
+    from bitsandbytes.nn import Linear4bit
+
+    states = [m.weight.quant_state for m in module.modules() if isinstance(m, Linear4bit)]
+    return sum(s.absmax.nbytes + s.code.nbytes for s in states)
 
 
 # (family, config overrides, dtype, training, optimizer, seq, modes): every mode and composition the estimate runs; the
@@ -83,6 +108,11 @@ CASES = [
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
     # GPT-2: Conv1D projections (PEFT's default target c_attn), learned positions, a head tied to the embeddings
     ("gpt2", {}, torch.float32, Training(4, None), "adamw", 32, ["off", "full"]),
+    # QLoRA: the decoder's linears bitsandbytes nf4, as from_pretrained loads them, against the same model loaded so
+    ("llama", {}, torch.float32, QLORA, "adamw", 32, ["off", "full", "selective_attn"]),
+    pytest.param("llama", {}, torch.bfloat16, QLORA, "sgd", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
+    # Axolotl's memory measurements' loss: logits_to_keep=1, logits.float().mean()
+    ("llama", {}, torch.bfloat16, Training(None, loss="last_logit_mean"), "adamw", 32, ["off", "full"]),
     pytest.param("gpt2", {}, torch.bfloat16, FULL, "adamw", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
     pytest.param(
         "llama", {}, torch.bfloat16, LORA, "adamw", 32, ["full", "off+chunked_loss", "selective_attn_mm"], marks=SLOW
@@ -107,7 +137,9 @@ CASES = [
 
 def _case_id(case) -> str:
     family, _, dtype, training, optimizer, seq, _ = case.values if hasattr(case, "values") else case
-    return f"{family}-{str(dtype)[6:]}-{'full' if training.full_finetune else 'lora'}-{optimizer}-{seq}"
+    kind = "full" if training.full_finetune else "qlora" if training.qlora else "lora"
+    loss = "" if training.loss == "causal_lm" else f"-{training.loss}"
+    return f"{family}-{str(dtype)[6:]}-{kind}{loss}-{optimizer}-{seq}"
 
 
 @pytest.mark.parametrize(
@@ -147,6 +179,9 @@ def test_the_estimate_equals_the_measured_cpu_step(family, overrides, dtype, tra
             assert fake.streamed_weight_bytes == streamer[0].last_step["max_resident_layers"] * per_layer
         else:
             assert fake.parameter_bytes == _nbytes(params), mode.name
+        # the 4-bit weights' quant states, which bitsandbytes keeps on the weights, are counted with the buffers
+        states = _quant_state_bytes(module) if training.qlora else 0
+        assert fake.buffer_bytes == _nbytes(module.buffers()) + states, mode.name
         if "offload" in mode.name and "layer" not in mode.name:
             assert fake.host_bytes > 0 and fake.activation_peak_bytes < measured, mode.name  # moved off the device
 
@@ -367,6 +402,37 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
     assert data["longest"][1]["seq"] >= data["longest"][0]["seq"] > 64 and data["longest"][2]["seq"] == 0
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_first_step_allocates_its_gradients_and_the_optimizers_state_in_it(optimizer):
+    """``first_step``: nothing exists before the step; its activation peak is a real first step's, to the byte, and its
+    device total holds the gradients and optimizer state it allocates (the figures before it are 0)."""
+    config = tiny_config("llama")
+    training = Training(None, first_step=True)
+    (mode,) = resolve_modes(["full"], True)
+    fake = fake_step(config, torch.float32, training, mode, 32, 2, optimizer, target="cpu")
+    measured, _, module, trainer = _measure(config, torch.float32, training, mode, 32, optimizer=optimizer, measured=0)
+    assert fake.activation_peak_bytes == measured
+    assert fake.gradient_bytes == fake.optimizer_bytes == 0
+    grads = _nbytes(p.grad for p in module.parameters() if p.grad is not None)
+    state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    fixed = fake.parameter_bytes + fake.buffer_bytes + 2 * 32 * 8  # the weights and the batch's ids
+    assert fake.device_total_bytes - fixed >= grads + (_nbytes(state) if optimizer == "adamw" else 0)
+    after = fake_step(config, torch.float32, Training(None), mode, 32, 2, optimizer, target="cpu")
+    # Lightning zeroes the gradients before backward: the step after a first peaks no lower
+    assert after.gradient_bytes == grads and fake.device_total_bytes <= after.device_total_bytes
+
+
+def test_qlora_and_the_loss_reach_the_table_from_the_cli(tiny_dir, capsys):
+    argv = ["--model", tiny_dir, "--set", "num_hidden_layers=2", "--seq", "32", "--modes", "full", "--lora", "4"]
+    lora = main(argv)
+    qlora = main(argv + ["--qlora", "--loss", "last_logit_mean"])
+    out = capsys.readouterr().out
+    assert "qlora (nf4 base) r=4 (q_proj, v_proj), loss last_logit_mean" in out and qlora.training in out
+    # the 4-bit linears hold fewer parameter bytes; their quant states are counted with the buffers
+    (base,), (four_bit,) = lora.steps, qlora.steps
+    assert four_bit.parameter_bytes < base.parameter_bytes and four_bit.buffer_bytes > base.buffer_bytes
+
+
 def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(tmp_path, tiny_dir, capsys):
     from lightning_ac.estimate.plot import series
 
@@ -401,6 +467,8 @@ def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(
         (["--seq", "16", "--lora", "0"], "--lora 0"),
         (["--seq", "16", "--full-finetune", "--modes", "layer_offload"], "a full fine-tune has none"),
         (["--seq", "16", "--seq-step", "-1"], "--seq-step -1"),
+        (["--seq", "16", "--qlora", "--full-finetune"], "--qlora with --full-finetune: QLoRA trains LoRA adapters"),
+        (["--seq", "16", "--loss", "mean"], "--loss: invalid choice: 'mean'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(monkeypatch, capsys, argv, message):

@@ -127,6 +127,9 @@ def estimate(
     seq_step: int = 512,
     progress: Optional[Callable[[str], None]] = None,
     attention: str = "sdpa",
+    qlora: bool = False,
+    loss: str = "causal_lm",
+    first_step: bool = False,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -154,6 +157,12 @@ def estimate(
         seq_step: The granularity of that search.
         progress: Called with a line as each fake step ends.
         attention: The attention implementation (``sdpa``, as the estimate's notes assume, or ``eager``).
+        qlora: The frozen base's decoder linears in bitsandbytes 4-bit (nf4), LoRA on top (not with
+            ``full_finetune``).
+        loss: ``causal_lm`` (the model's loss on ``labels=input_ids``) or ``last_logit_mean`` (``logits_to_keep=1``,
+            ``logits.float().mean()``: Axolotl's memory measurements' loss).
+        first_step: The step starts without gradients or optimizer state (a run's first, or one after
+            ``zero_grad(set_to_none=True)``): they are allocated in it, and counted in its device total.
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -165,7 +174,9 @@ def estimate(
     seqs = [seq] if isinstance(seq, int) else list(seq)
     _check(seqs, batch, dtype, None if full_finetune else lora, optimizer, target, seq_step)
     devices = _device_bytes(device_memory)
-    training = Training(None) if full_finetune else Training(lora, tuple(lora_targets) if lora_targets else None)
+    targets = tuple(lora_targets) if lora_targets else None
+    rank = None if full_finetune else lora
+    training = Training(rank, None if full_finetune else targets, qlora, loss, first_step)
     budgets, others = _budget_modes(modes)
     if budgets and not devices:
         raise EstimateError(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from lightning_ac.estimate import DTYPES, OPTIMIZERS, Estimate, EstimateError, estimate, known_modes, presets
-from lightning_ac.estimate.models import parse_set
+from lightning_ac.estimate.models import LOSSES, parse_set
 from lightning_ac.estimate.render import markdown
 
 __all__ = ["main", "parser"]
@@ -67,6 +67,21 @@ def parser() -> argparse.ArgumentParser:
     training.add_argument("--full-finetune", action="store_true", help="train every parameter instead of LoRA")
     p.add_argument(
         "--lora-targets", nargs="+", default=None, help="the modules LoRA adapts (default: PEFT's for the model type)"
+    )
+    p.add_argument(
+        "--qlora", action="store_true", help="the frozen base's decoder linears in bitsandbytes 4-bit (nf4), with LoRA"
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="causal_lm",
+        help="causal_lm (labels=input_ids, default) or last_logit_mean (logits_to_keep=1, logits.float().mean())",
+    )
+    p.add_argument(
+        "--first-step",
+        action="store_true",
+        help="the step starts without gradients or optimizer state (a first step, or after zero_grad(set_to_none="
+        "True)): they are allocated in it",
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument(
@@ -144,6 +159,9 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             longest=not args.no_longest,
             seq_step=args.seq_step,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            qlora=args.qlora,
+            loss=args.loss,
+            first_step=args.first_step,
         )
     except EstimateError as err:
         p.error(str(err))

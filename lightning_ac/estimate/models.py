@@ -116,13 +116,41 @@ def load_config(model: str, overrides: Mapping[str, Any] = (), attention: str = 
     return config
 
 
+LOSSES = ("causal_lm", "last_logit_mean")
+QLORA_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one float32 absmax per 64 weights
+
+
 @dataclass(frozen=True)
 class Training:
-    """What trains: LoRA adapters of rank ``lora_rank`` on ``lora_targets`` (PEFT's defaults for the model type when
-    ``None``), or every parameter (``lora_rank=None``)."""
+    """What trains, and on what loss.
+
+    Attributes:
+        lora_rank: LoRA's rank; ``None`` trains every parameter (a full fine-tune).
+        lora_targets: The modules LoRA adapts (PEFT's defaults for the model type when ``None``).
+        qlora: The frozen base's decoder linears are bitsandbytes 4-bit (nf4, as ``BitsAndBytesConfig(load_in_4bit=True,
+            bnb_4bit_quant_type="nf4")`` loads them; no double quantization), the output head stays in the dtype.
+        loss: ``causal_lm`` (the model's own loss, ``labels=input_ids``) or ``last_logit_mean`` (``logits_to_keep=1``
+            and ``logits.float().mean()``: a loss without the output head's full logits, as Axolotl's memory
+            measurements use).
+        first_step: The step is a run's first: no gradients or optimizer state exist before it (as after
+            ``zero_grad(set_to_none=True)``); they are allocated in the step and counted in its device total, not as
+            what exists before it. Otherwise the step is the one after a first.
+    """
 
     lora_rank: Optional[int] = 16
     lora_targets: Optional[Sequence[str]] = None
+    qlora: bool = False
+    loss: str = "causal_lm"
+    first_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise EstimateError(f"--loss {self.loss}: choose from {', '.join(LOSSES)}")
+        if self.qlora and self.full_finetune:
+            raise EstimateError(
+                "--qlora with --full-finetune: QLoRA trains LoRA adapters on a frozen 4-bit base; a 4-bit weight "
+                "cannot train. Use --qlora with --lora R, or --full-finetune without --qlora."
+            )
 
     @property
     def full_finetune(self) -> bool:
@@ -130,9 +158,12 @@ class Training:
 
     def describe(self, targets: Optional[Sequence[str]] = None) -> str:
         if self.full_finetune:
-            return "full fine-tune"
-        shown = f" ({', '.join(targets)})" if targets else ""
-        return f"lora r={self.lora_rank}{shown}"
+            text = "full fine-tune"
+        else:
+            shown = f" ({', '.join(targets)})" if targets else ""
+            text = f"{'qlora (nf4 base)' if self.qlora else 'lora'} r={self.lora_rank}{shown}"
+        text = text if self.loss == "causal_lm" else f"{text}, loss {self.loss}"
+        return f"{text}, a first step (no gradients before it)" if self.first_step else text
 
 
 def lora_targets(config: Any, training: Training) -> List[str]:
@@ -156,6 +187,8 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if training.qlora:
+        _four_bit_linears(model, dtype, device)
     if training.full_finetune:
         model.requires_grad_(True)
         return model
@@ -170,6 +203,59 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
         raise EstimateError(
             f"LoRA on {config.model_type}: {err}. Name the modules to adapt (lora_targets=[...], --lora-targets)"
         ) from err
+
+
+def _four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any) -> None:
+    """The decoder's linears as bitsandbytes ``Linear4bit`` (nf4), as ``from_pretrained`` with a 4-bit
+    ``BitsAndBytesConfig`` makes them (transformers' own replacement; the output head stays), still unquantized on
+    meta: :func:`pack_four_bit` gives them their packed storage on fake tensors."""
+    if str(device) != "meta":
+        raise EstimateError(
+            "qlora: the estimate builds the 4-bit base on the meta device only; a real 4-bit model is loaded with "
+            "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
+        )
+    try:
+        from transformers import BitsAndBytesConfig
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    except ImportError as err:  # pragma: no cover - bitsandbytes is in the tests' extra
+        raise EstimateError(f"--qlora needs bitsandbytes: pip install bitsandbytes ({err})") from err
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quantization)
+    model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model, and PEFT reads to wrap Linear4bit
+
+
+def pack_four_bit(model: nn.Module, dtype: torch.dtype) -> int:
+    """Inside the fake mode, after ``to_empty``: each ``Linear4bit``'s weight as bitsandbytes stores a quantized one,
+    packed (two 4-bit values a byte, shape ``(n / 2, 1)``, uint8) with its quant state (a float32 absmax per
+    :data:`QLORA_BLOCKSIZE` weights and the 16-value nf4 code), which the estimate holds as buffers of the layer so
+    that they are counted with the weights (bitsandbytes keeps them on the weight, where they are neither).
+
+    Returns:
+        The bytes of the quant states.
+    """
+    import math
+
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Linear4bit
+
+    state_bytes = 0
+    for module in model.modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        out_features, in_features = module.out_features, module.in_features
+        n = out_features * in_features
+        absmax = torch.empty(math.ceil(n / QLORA_BLOCKSIZE), dtype=torch.float32)
+        code = torch.empty(16, dtype=torch.float32)
+        state = QuantState(absmax=absmax, shape=torch.Size([out_features, in_features]), code=code,
+                           blocksize=QLORA_BLOCKSIZE, quant_type="nf4", dtype=dtype)  # fmt: skip
+        # a plain parameter: bitsandbytes' Params4bit cannot wrap a fake tensor, and Linear4bit reads only what is set
+        weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8), requires_grad=False)
+        weight.quant_state, weight.quant_type, weight.blocksize, weight.compress_statistics = state, "nf4", 64, False
+        module.weight = weight
+        module.register_buffer("_estimate_absmax", absmax, persistent=False)
+        module.register_buffer("_estimate_code", code, persistent=False)
+        state_bytes += absmax.nbytes + code.nbytes
+    return state_bytes
 
 
 def describe(config: Any, model: nn.Module) -> str:

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_ac.estimate.models import EstimateError, Training, build_model
+from lightning_ac.estimate.models import EstimateError, Training, build_model, pack_four_bit
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
@@ -69,15 +69,22 @@ class _InPlace(SingleDeviceStrategy):
 
 
 class _StepModule(pl.LightningModule):
-    """The benchmark's training step (``labels=input_ids``, no cache) and the optimizer asked for."""
+    """The benchmark's training step (``labels=input_ids``, no cache), or the loss ``last_logit_mean``
+    (:class:`~lightning_ac.estimate.models.Training`), and the optimizer asked for."""
 
-    def __init__(self, model: nn.Module, optimizer: str, foreach: bool) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: str, foreach: bool, loss: str = "causal_lm", first_step: bool = False
+    ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_name = optimizer
         self.foreach = foreach
+        self.loss = loss
+        self.first_step = first_step
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.loss == "last_logit_mean":
+            return self.model(input_ids=batch, use_cache=False, logits_to_keep=1).logits.float().mean()
         return self.model(input_ids=batch, labels=batch, use_cache=False).loss
 
     def log(self, *args: Any, **kwargs: Any) -> None:
@@ -93,7 +100,10 @@ class _StepModule(pl.LightningModule):
         return None
 
     def on_train_start(self) -> None:
-        """What the step before left: every trainable parameter's gradient, and the optimizer's state."""
+        """What the step before left: every trainable parameter's gradient, and the optimizer's state (nothing
+        before a first step)."""
+        if self.first_step:
+            return
         trainable = [p for p in self.parameters() if p.requires_grad]
         for p in trainable:
             p.grad = torch.zeros_like(p)
@@ -333,9 +343,11 @@ def fake_step(
             model.to_empty(device="cpu")
             if getattr(config, "tie_word_embeddings", False):
                 model.tie_weights()
+            if training.qlora:
+                pack_four_bit(model, dtype)
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
-        module = _StepModule(model, optimizer, foreach=target == "cuda")
+        module = _StepModule(model, optimizer, target == "cuda", training.loss, training.first_step)
         trainer = step_trainer(
             [*callbacks, *extra_callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu"))
         )
