@@ -172,3 +172,23 @@ def test_a_resumed_plan_takes_no_fake_step(references, tmp_path, caplog):
     trainer.fit(FakeableLM(clone(references["base"])), loader(), ckpt_path=ckpt)
     assert not any(FIRST_LINE in m for m in caplog.messages)
     assert start.choices[0] == probe.choices[-1], "the checkpoint's plan, not a fake step's"
+
+
+def test_the_first_real_step_times_every_layer_on_the_devices_clock(references, monkeypatch):
+    """The fake step's layer times are the host's time for ops that computed nothing (on CUDA, device events around
+    no work would read zero): the first real step times each layer's forward, and the figures take those."""
+    import lightning_ac.callbacks as callbacks_module
+
+    fake_times = []
+    make_plan = callbacks_module.plan_from_fake_step
+
+    def recording(controller, *args):
+        made = make_plan(controller, *args)
+        fake_times.append([f.recompute_seconds for f in controller.figures])
+        return made
+
+    monkeypatch.setattr(callbacks_module, "plan_from_fake_step", recording)
+    _, _, probe, _, _ = run(references, 0.5, "estimate")
+    (fake,) = fake_times
+    real = [f.recompute_seconds for f in probe.budget.figures]
+    assert all(r > 0 for r in real) and all(r != f for r, f in zip(real, fake)), (real, fake)

@@ -296,6 +296,31 @@ def test_budget_on_cuda_settles_under_the_budget_with_device_timings():
     assert controller.head_bytes > 0 and Choice.keep in controller.choices
 
 
+def test_the_budgets_first_plan_from_a_fake_step_on_cuda(caplog):
+    """budget_first_plan: estimate on CUDA: the fake step (fake CUDA tensors, counted by what they allocate, as the
+    allocator sees none of them) makes the plan the first real step runs; the allocator's peak of that step checks
+    it, within 2% of the estimate, and under the budget."""
+    from test_budget_first_plan import FIRST_LINE, FakeableLM, StartChoices
+
+    from lightning_ac.budget import Choice
+
+    base = tiny_model("llama", max_position_embeddings=4096)
+    peaks = {}
+    for name, callbacks in (("off", []), ("full", [ActivationCheckpointing()])):
+        metrics = StepMetrics(measure_step=2)
+        gpu_fit(clone(base), [*callbacks, metrics], max_steps=3, module_cls=FakeableLM)
+        peaks[name] = metrics.peak.activation_bytes
+    budget = (peaks["off"] + peaks["full"]) // 2
+    start, metrics = StartChoices(), StepMetrics(measure_step=0, warmup_steps=0)
+    callback = ActivationCheckpointing(budget=budget, budget_first_plan="estimate")
+    gpu_fit(clone(base), [callback, start, metrics], max_steps=3, module_cls=FakeableLM)
+    assert any(FIRST_LINE.split(" (")[0] in m for m in caplog.messages)
+    assert start.choices[0] != [Choice.recompute] * 4 and start.fake_tensors == 0
+    plan = callback.budget_plan
+    assert plan["settled"] and metrics.peak.activation_bytes <= budget
+    assert abs(plan["estimated_peak_bytes"] - plan["measured_peak_bytes"]) <= 0.02 * plan["measured_peak_bytes"]
+
+
 def test_budget_auto_reads_the_free_device_memory(caplog):
     base = tiny_model("llama")
     module, _, controller, Choice = _budget_run(base, "auto", steps=3)

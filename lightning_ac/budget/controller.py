@@ -192,10 +192,10 @@ class BudgetController:
         if self.phase == _MEASURE:
             self._set([Choice.recompute] * len(self.switches))
             self.meter.dry = self.policy is not None
-            self.meter.start()
+            self.meter.start(host_clock=fake)
             self.meter.on_first_recompute = self._read_head_peak
             self.meter.on_last_forward = self._head_forward_starts
-        elif self._trying_rules():
+        elif self._trying_rules() or self._estimated:  # the first real step after an estimate times every layer
             self.meter.dry = False
             self.meter.start()
         self._measured_modules, self._measured_optimizers = [module], list(optimizers)
@@ -253,6 +253,8 @@ class BudgetController:
             self._check_scaling(readings)  # chooses again from the measured figures: the next step checks that
             return
         if readings is not None:
+            if self._estimated:
+                self._retime(readings)
             self._take_selective(readings)
         if peak is not None and self._estimated:
             self._estimated = False
@@ -431,6 +433,27 @@ class BudgetController:
         layers_peak = estimate(self.figures, everything, self.outside_bytes, 0)[0]  # without the head
         layer_extra = max(0, peak - layers_peak) if peak > max(head_peak, forward_peak) else 0
         self.head_bytes = max(0, max(head_peak, forward_peak) - held - layer_extra)
+
+    def _retime(self, readings: List[LayerReading]) -> None:
+        """The first real step after a plan from fake tensors: each layer's recompute time is its forward's, on the
+        device's clock (the fake step's are the host's time for ops that computed nothing). A layer that ran the save
+        rules takes the mean of its type's other layers (its forward ran the policy too)."""
+        assert self.figures is not None
+        seconds = self._agree([r.forward_seconds for r in readings])
+        choices = self.choices
+        by_type: Dict[Any, List[float]] = {}
+        for index, choice in enumerate(choices):
+            if choice is not Choice.selective:
+                by_type.setdefault(self.layer_types[index], []).append(seconds[index])
+                self.figures[index] = dataclasses.replace(self.figures[index], recompute_seconds=seconds[index])
+        for index, choice in enumerate(choices):
+            alike = by_type.get(self.layer_types[index])
+            figures = self.figures[index]
+            if choice is Choice.selective and alike:
+                figures = dataclasses.replace(figures, recompute_seconds=sum(alike) / len(alike))
+            if self.policy is not None and not self.selective_measured[index]:  # the first guess, on this clock
+                figures = dataclasses.replace(figures, selective_seconds=SELECTIVE_GUESS * figures.recompute_seconds)
+            self.figures[index] = figures
 
     def _trying_rules(self) -> bool:
         """Whether this step runs the save rules in a layer whose selective figures are still a guess."""

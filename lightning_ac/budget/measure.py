@@ -244,8 +244,10 @@ class LayerMeter:
         self._parameters: Set[int] = set()
         self._timer = _Timer(device)
 
-    def start(self) -> None:
-        """Measure the calls from now on (until :meth:`stop`)."""
+    def start(self, host_clock: bool = False) -> None:
+        """Measure the calls from now on (until :meth:`stop`). ``host_clock``: time them on the host's clock, not the
+        device's (a step on fake tensors, whose ops run no device work to time)."""
+        self._timer = _Timer(torch.device("cpu") if host_clock else self.device)
         self.active = True
         self.readings = [LayerReading() for _ in self.layers]
         self.tokens = 0

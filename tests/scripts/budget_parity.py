@@ -2,7 +2,9 @@
 (ModelParallelStrategy, fully_shard in configure_model), on CPU with gloo, each against an unmodified run.
 
 Each rank measures its own figures, and a planted skew makes them disagree: rank 0 measures the early layers slower,
-rank 1 the late ones, so each on its own would keep other layers. Writes one JSON line per rank and mode to argv[1].
+rank 1 the late ones, so each on its own would keep other layers. ``ddp_estimate``: the same under DDP with
+``budget_first_plan: estimate``, where the ranks agree on the fake step's figures (a training step that reads no
+tensor's value). Writes one JSON line per rank and mode to argv[1].
 """
 
 import json
@@ -32,6 +34,15 @@ class StepLM(LM):
         self.step_grads.append({n: _full(p.grad).clone() for n, p in self.named_parameters() if p.grad is not None})
 
 
+class FakeableLM(StepLM):
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"].detach()))
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+
 class ShardedLM(StepLM):
     def configure_model(self):
         shard_once(self)
@@ -41,8 +52,8 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
 
-def train(base, callbacks, fsdp):
-    module = (ShardedLM if fsdp else StepLM)(clone(base))
+def train(base, callbacks, fsdp, lm=StepLM):
+    module = (ShardedLM if fsdp else lm)(clone(base))
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp else "ddp"
     metrics = StepMetrics(measure_step=STEPS - 1, warmup_steps=0)
     trainer = pl.Trainer(
@@ -64,13 +75,15 @@ def skewed(self):  # what each rank measures: on rank 0 the early layers are slo
 
 
 base = tiny_model("llama")
-for mode, fsdp, implementation in (("ddp", False, "hf"), ("fsdp", True, "fsdp")):
-    plain, off_peak = train(base, [], fsdp)
-    _, full_peak = train(base, [ActivationCheckpointing(implementation=implementation)], fsdp)
+for mode, fsdp, implementation in (("ddp", False, "hf"), ("fsdp", True, "fsdp"), ("ddp_estimate", False, "hf")):
+    lm = FakeableLM if mode == "ddp_estimate" else StepLM
+    plain, off_peak = train(base, [], fsdp, lm)
+    _, full_peak = train(base, [ActivationCheckpointing(implementation=implementation)], fsdp, lm)
     budget = int(full_peak + 0.5 * (off_peak - full_peak))
     LayerMeter.stop = skewed
-    callback = ActivationCheckpointing(implementation=implementation, budget=budget)
-    run, peak = train(base, [callback], fsdp)
+    first_plan = "estimate" if mode == "ddp_estimate" else "measure"
+    callback = ActivationCheckpointing(implementation=implementation, budget=budget, budget_first_plan=first_plan)
+    run, peak = train(base, [callback], fsdp, lm)
     LayerMeter.stop = stop
     same = plain.losses == run.losses and all(
         torch.equal(grad, after[name])
