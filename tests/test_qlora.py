@@ -99,9 +99,15 @@ class BackwardSpy(DeviceCopySpy):
         super().__init__(callback)
         self.alive_in_backward: list = []
         self.nodes_at_start: list = []
+        self.earlier_nodes: list = []
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
+        # 4-bit nodes this run did not make are not its to free: torch's MemTracker (the CPU step measurement that
+        # an earlier test's run went through) leaves some alive. They are held until the run ends, so that no node
+        # of this run takes the id of one freed meanwhile
+        gc.collect()
+        self.earlier_nodes = _4bit_nodes()
         streamer = self.callback.plan.weight_streamer
         original = streamer._backward_reached
 
@@ -115,7 +121,16 @@ class BackwardSpy(DeviceCopySpy):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         gc.collect()
-        self.nodes_at_start.append(sum(type(o).__name__ == "MatMul4BitBackward" for o in gc.get_objects()))
+        earlier = {id(o) for o in self.earlier_nodes}
+        self.nodes_at_start.append(sum(id(o) not in earlier for o in _4bit_nodes()))
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        self.earlier_nodes = []
+
+
+def _4bit_nodes() -> list:
+    return [o for o in gc.get_objects() if type(o).__name__ == "MatMul4BitBackward"]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
