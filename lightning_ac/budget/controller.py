@@ -242,7 +242,7 @@ class BudgetController:
         if self.phase == _MEASURE:
             assert readings is not None and peak is not None
             self.meter.on_first_recompute = self.meter.on_last_forward = None
-            self._take_figures(readings)
+            self._take_figures(readings, alike_times=fake)
             self._split_head(peak)
             self.phase = _CHECK  # the step's peak checks "every layer recomputed" like any other choice
             self._check(peak, first=True, measuring=True)
@@ -387,7 +387,9 @@ class BudgetController:
             self.meter.start()
             self.meter.note_tokens(args)
 
-    def _take_figures(self, readings: List[LayerReading]) -> None:
+    def _take_figures(self, readings: List[LayerReading], alike_times: bool = False) -> None:
+        """The measured layers' figures, the bytes outside them and the head's. ``alike_times``: alike layers take
+        their mean time (a step on fake tensors, whose times are the host's for ops that computed nothing)."""
         values = self._agree(
             [
                 v
@@ -411,6 +413,8 @@ class BudgetController:
             figures = [dataclasses.replace(f, selective_seconds=SELECTIVE_GUESS * f.recompute_seconds) for f in figures]
             self.selective_measured = [False] * len(figures)
         self.figures = figures
+        if alike_times:
+            self._time_alike_as_one([f.recompute_seconds for f in figures])
         tokens, outside, head = self._agree([self.meter.tokens, self.meter.outside_bytes, self.meter.head_bytes])
         self.tokens, self.outside_bytes = int(tokens), int(outside)
         self.head_bytes = int(HEAD_FACTOR * head)
@@ -437,20 +441,28 @@ class BudgetController:
     def _retime(self, readings: List[LayerReading]) -> None:
         """The first real step after a plan from fake tensors: each layer's recompute time is its forward's, on the
         device's clock (the fake step's are the host's time for ops that computed nothing). A layer that ran the save
-        rules takes the mean of its type's other layers (its forward ran the policy too)."""
-        assert self.figures is not None
+        rules has no whole forward to time (its forward ran the policy too): it takes its alike layers' time."""
         seconds = self._agree([r.forward_seconds for r in readings])
-        choices = self.choices
-        by_type: Dict[Any, List[float]] = {}
-        for index, choice in enumerate(choices):
-            if choice is not Choice.selective:
-                by_type.setdefault(self.layer_types[index], []).append(seconds[index])
-                self.figures[index] = dataclasses.replace(self.figures[index], recompute_seconds=seconds[index])
-        for index, choice in enumerate(choices):
-            alike = by_type.get(self.layer_types[index])
+        self._time_alike_as_one([None if c is Choice.selective else s for c, s in zip(self.choices, seconds)])
+
+    def _time_alike_as_one(self, seconds: List[Optional[float]]) -> None:
+        """Set each layer's recompute time to the mean of ``seconds`` over its alike layers (the same attention type
+        and byte figures; ``None``: not timed). Alike layers cost alike: their times differ by the clock's noise
+        alone, which would otherwise pick which of them to keep, and, when the first real step after an estimate
+        retimes them, move the plan to another alike layer in a correction that changes nothing but the step it
+        costs. With one time, the choice between them is the same on every clock."""
+        assert self.figures is not None
+        keys = [
+            (kind, f.saved_bytes, f.input_bytes, f.input_saved_bytes) for kind, f in zip(self.layer_types, self.figures)
+        ]
+        timed: Dict[Any, List[float]] = {}
+        for key, value in zip(keys, seconds):
+            if value is not None:
+                timed.setdefault(key, []).append(value)
+        for index, key in enumerate(keys):
             figures = self.figures[index]
-            if choice is Choice.selective and alike:
-                figures = dataclasses.replace(figures, recompute_seconds=sum(alike) / len(alike))
+            if key in timed:
+                figures = dataclasses.replace(figures, recompute_seconds=sum(timed[key]) / len(timed[key]))
             if self.policy is not None and not self.selective_measured[index]:  # the first guess, on this clock
                 figures = dataclasses.replace(figures, selective_seconds=SELECTIVE_GUESS * figures.recompute_seconds)
             self.figures[index] = figures
