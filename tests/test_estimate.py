@@ -359,6 +359,33 @@ def test_an_op_without_a_fake_implementation_names_the_op_and_the_mode(monkeypat
         fake_step(tiny_config("qwen3_moe", **MOE), torch.float32, Training(4, ("q_proj",)), mode, 16, 1, "adamw")
 
 
+def test_an_error_of_the_steps_own_code_is_not_taken_for_an_op_that_raised_and_was_caught(monkeypatch):
+    """An op that raised and was caught (a library trying a kernel, then falling back) is not named for a later error
+    of the step's own code: that error reaches the caller as it was raised."""
+    from transformers.models.llama import modeling_llama
+
+    @torch.library.custom_op("lightning_ac_estimate_test::tried_kernel", mutates_args=())
+    def tried(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    original, calls = modeling_llama.LlamaMLP.forward, []
+
+    def forward(self, x):
+        try:
+            return tried(original(self, x))  # no fake implementation: raises, and the model falls back
+        except Exception:
+            calls.append(None)
+        if len(calls) == 2:
+            raise ValueError("the model's own bug")
+        return original(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", forward)
+    mode = resolve_modes(["off"], False)[0]
+    with pytest.raises(ValueError, match="the model's own bug") as raised:
+        fake_step(tiny_config("llama"), torch.float32, LORA, mode, 16, 1, "adamw")
+    assert type(raised.value) is ValueError and len(calls) == 2  # not an EstimateError naming tried_kernel
+
+
 def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
     path = tmp_path / "out" / "estimate.json"
     main(
@@ -507,6 +534,36 @@ def test_a_config_directory_and_overrides(tmp_path):
     tiny_config("gemma3_text").save_pretrained(tmp_path)
     config = load_config(str(tmp_path), {"num_hidden_layers": 6})
     assert config.num_hidden_layers == 6 and len(config.layer_types) == 6
+    from_file = load_config(str(tmp_path / "config.json"), {"num_hidden_layers": 6})  # the file itself
+    assert from_file.to_dict() == config.to_dict()
+
+
+def test_every_mode_by_default_and_the_budgets_plan_where_a_device_is_given(monkeypatch):
+    from lightning_ac.estimate.modes import default_modes
+
+    ran, planned = [], []
+
+    def step(config, dtype, training, mode, seq, *args):
+        ran.append(mode.name)
+        return _line(seq, 1)
+
+    def plans(name, *args):
+        planned.append(name)
+        return _line(32, 1), []
+
+    monkeypatch.setattr(estimate_module, "fake_step", step)
+    monkeypatch.setattr(estimate_module, "budget_plans", plans)
+    estimate("llama", seq=32, device_memory="1GiB", longest=False)
+    assert ran == default_modes(False) and planned == ["budget"]
+    ran.clear(), planned.clear()
+    estimate("llama", seq=32, longest=False)
+    assert ran == default_modes(False) and planned == []
+
+
+def test_a_missing_rank_is_refused_not_taken_for_a_full_finetune(monkeypatch):
+    monkeypatch.setattr(estimate_module, "fake_step", None)  # refused before any step
+    with pytest.raises(EstimateError, match=r"--lora None: expected a rank >= 1 \(or --full-finetune\)"):
+        estimate("llama", seq=16, lora=None)
 
 
 def _line(seq: int, total: int) -> StepEstimate:

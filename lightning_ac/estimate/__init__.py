@@ -63,7 +63,14 @@ NOTES = [
 
 
 def _check(
-    seq: Sequence[int], batch: int, dtype: str, lora: Optional[int], optimizer: str, target: str, seq_step: int
+    seq: Sequence[int],
+    batch: int,
+    dtype: str,
+    lora: Optional[int],
+    full_finetune: bool,
+    optimizer: str,
+    target: str,
+    seq_step: int,
 ) -> None:
     if not seq:
         raise EstimateError("--seq: give at least one sequence length")
@@ -73,7 +80,8 @@ def _check(
             raise EstimateError(f"{name} {bad[0]!r}: expected a whole number >= 1")
     if dtype not in DTYPES:
         raise EstimateError(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
-    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
+    if not full_finetune and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
+        # None too: a full fine-tune is asked for by name, never taken from a missing rank
         raise EstimateError(f"--lora {lora!r}: expected a rank >= 1 (or --full-finetune)")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"--optimizer {optimizer}: choose from {', '.join(OPTIMIZERS)}")
@@ -145,8 +153,9 @@ def estimate(
         lora_targets: The modules LoRA adapts, instead of PEFT's default for the model type.
         optimizer: ``adamw``, ``sgd`` (no momentum: no state) or ``none`` (gradients, no step).
         modes: Mode names (:func:`known_modes`), ``NAME+chunked_loss``, or ``chunked_loss`` (each mode with the
-            chunked loss too); every suite mode when ``None``. ``budget`` (and ``budget+chunked_loss``) needs
-            ``device_memory``: the memory budget's plan for each device (:mod:`lightning_ac.estimate.budget`).
+            chunked loss too); every suite mode when ``None``, and ``budget`` with ``device_memory``. ``budget``
+            (and ``budget+chunked_loss``) needs ``device_memory``: the memory budget's plan for each device
+            (:mod:`lightning_ac.estimate.budget`).
         device_memory: The device's size (bytes, or ``"80GiB"``), or several: each step says whether it fits each,
             with a stated margin (:data:`lightning_ac.estimate.fit.MARGIN_NOTE`), and each mode its longest length
             that fits each.
@@ -172,17 +181,19 @@ def estimate(
             implementation (naming the op and the mode), or a mode the model does not take.
     """
     seqs = [seq] if isinstance(seq, int) else list(seq)
-    _check(seqs, batch, dtype, None if full_finetune else lora, optimizer, target, seq_step)
+    _check(seqs, batch, dtype, lora, full_finetune, optimizer, target, seq_step)
     devices = _device_bytes(device_memory)
     targets = tuple(lora_targets) if lora_targets else None
     rank = None if full_finetune else lora
     training = Training(rank, None if full_finetune else targets, qlora, loss, first_step)
     budgets, others = _budget_modes(modes)
+    if not modes and devices:  # every mode: the budget's too, which has a device's memory to plan for
+        budgets = [BUDGET]
     if budgets and not devices:
         raise EstimateError(
             f"--modes {budgets[0]}: the budget's plan is made for a device's memory; give --device-memory SIZE"
         )
-    chosen = resolve_modes(others, training.full_finetune) if others or not budgets else []
+    chosen = [] if others == [] else resolve_modes(others, training.full_finetune)  # [] when only budget's
     config = load_config(model, overrides or {}, attention)
     torch_dtype = getattr(torch, dtype)
     with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do

@@ -89,8 +89,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="MODE",
-        help=f"default: every mode but budget ({', '.join(known_modes())}; NAME+chunked_loss; chunked_loss adds each "
-        "with it; budget, with --device-memory, is the memory budget's plan for each device)",
+        help=f"default: every mode ({', '.join(known_modes())}; and budget, with --device-memory); "
+        "NAME+chunked_loss; chunked_loss adds each with it; budget, with --device-memory, is the memory budget's plan "
+        "for each device",
     )
     p.add_argument(
         "--device-memory",

@@ -113,7 +113,6 @@ class Estimate:
         optimizer: ``adamw``, ``sgd`` or ``none``.
         target: The device the figures are for (``cuda``: storages rounded to 512 bytes; ``cpu``: exact).
         device_memory_bytes: The device sizes fits are judged against (empty when none was given).
-        margin_bytes: The margin assumed beyond allocated bytes (see :data:`lightning_ac.estimate.fit.MARGIN_NOTE`).
         steps: One :class:`StepEstimate` per mode and length.
         longest: With device sizes: the longest sequence each mode fits on each.
         search_steps: The fake steps that search ran, at lengths not asked for.
@@ -129,7 +128,6 @@ class Estimate:
     optimizer: str
     target: str
     device_memory_bytes: List[int] = field(default_factory=list)
-    margin_bytes: int = 0
     steps: List[StepEstimate] = field(default_factory=list)
     longest: List[LongestFit] = field(default_factory=list)
     search_steps: List[StepEstimate] = field(default_factory=list)

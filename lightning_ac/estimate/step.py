@@ -360,7 +360,7 @@ def fake_step(
         except ConfigError as err:
             raise EstimateError(f"mode {mode.name}: {err}") from err
         except Exception as err:
-            fake = _fake_op_error(err, mode.name, tracker.failed_op)
+            fake = _fake_op_error(err, mode.name, tracker.op_that_raised(err))
             if fake is not None:
                 raise fake from err
             raise

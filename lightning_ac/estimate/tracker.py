@@ -94,7 +94,8 @@ class MemoryTracker(TorchDispatchMode):
             with offloading on: the offloaded copies and the streamed layers' copies are activations to it).
         weights_peak: The most bytes of streamed weights on the device after any op.
         flops: FLOPs per :class:`Phase`.
-        failed_op: The op that raised, if one did (an op fake tensors cannot run).
+        failed_op: The innermost op that raised last (an op fake tensors cannot run); :meth:`op_that_raised`
+            tells whether it is what an exception came from.
         region: What the step's code is running now (the estimate sets it: a decoder layer's index, ``"outside"``,
             ``"head"``); each activation remembers the region it was made in.
     """
@@ -122,6 +123,12 @@ class MemoryTracker(TorchDispatchMode):
         self._window: Optional[List[int]] = None  # [activations at its start, the most since]
         self._handles: List[Any] = []
         self.failed_op: Any = None
+        self._failed_error: Optional[BaseException] = None  # what failed_op raised
+
+    def op_that_raised(self, err: BaseException) -> Any:
+        """The op ``err`` came from (the innermost op that raised it, or an error it was raised from), or ``None``:
+        an error of the step's own code, or one an op raised that was caught, is not an op's."""
+        return self.failed_op if any(e is self._failed_error for e in _causes(err)) else None
 
     # -- counting ---------------------------------------------------------------------------------------------
 
@@ -296,9 +303,11 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         try:
             out = func(*args, **kwargs)
-        except Exception:
-            if self.failed_op is None:  # the innermost op that raised (outer ops raise with it)
-                self.failed_op = func
+        except Exception as err:
+            # the innermost op that raised: an outer op raises with it (the same error, or one caused by it); an
+            # error raised and caught earlier (a library trying an op and falling back) is not this one's cause
+            if not any(e is self._failed_error for e in _causes(err)):
+                self.failed_op, self._failed_error = func, err
             raise
         kind = self._tag if self._tag is not None else Kind.ACTIVATION
         for storage in _storages(out):
@@ -319,3 +328,12 @@ class MemoryTracker(TorchDispatchMode):
             self.flops[phase] += int(flops(*args, **kwargs, out_val=out))
         self._update_peaks(phase)
         return out
+
+
+def _causes(err: Optional[BaseException]) -> List[BaseException]:
+    """``err`` and what it was raised from or while handling, innermost last."""
+    chain: List[BaseException] = []
+    while err is not None and not any(e is err for e in chain):
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
