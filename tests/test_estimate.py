@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -415,6 +416,10 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
     assert "| mode | 1.20 | 0.59 |" in out.split("Longest sequence that fits (batch 2, GiB):")[1]
     assert err.count("estimate: ") >= 4  # a progress line per fake step: 2 modes x 2 lengths, then the search
     data = json.loads(path.read_text())
+    # and what it cost: every fake step (the table's and the search's), the slowest, the process's memory
+    steps = len(data["steps"]) + len(data["search_steps"])
+    assert re.search(rf"estimate: {steps} fake steps in \d+ s, the slowest [\d.]+ s \(full.* at \d+ x 2\); this "
+                     r"process held at most [\d.]+ GiB \(maximum resident set\)", err), err  # fmt: skip
     assert len(data["steps"]) == 4 and {s["mode"] for s in data["steps"]} == {"full", "full+chunked_loss"}
     for s in data["steps"]:
         assert set(s) == set(JSON_FIELDS) and isinstance(s["layer_saved_bytes"], list)

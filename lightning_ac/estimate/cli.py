@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -137,11 +138,28 @@ def to_json(result: Estimate) -> dict:
     }
 
 
+def cost_line(result: Estimate, seconds: float) -> str:
+    """What the estimate cost this machine: its fake steps, the slowest, the wall time, and the most memory this
+    process held (the estimator's own: fake tensors allocate none of the model's)."""
+    steps = result.steps + result.search_steps
+    slowest = max(steps, key=lambda s: s.seconds, default=None)
+    line = f"estimate: {len(steps)} fake steps in {seconds:.0f} s"
+    if slowest is not None:
+        line += f", the slowest {slowest.seconds:.1f} s ({slowest.mode} at {slowest.seq} x {slowest.batch})"
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return line
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
+    return line + f"; this process held at most {peak_kib / 2**20:.2f} GiB (maximum resident set)"
+
+
 def main(argv: Optional[List[str]] = None) -> Estimate:
     p = parser()
     args = p.parse_args(argv)
     if args.out is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--out plots with matplotlib, which is not installed: pip install 'lightning_ac[examples]'")
+    started = time.perf_counter()
     try:
         overrides = dict(parse_set(item) for item in args.sets)
         result = estimate(
@@ -167,6 +185,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
     except EstimateError as err:
         p.error(str(err))
     print(markdown(result), end="")
+    print(cost_line(result, time.perf_counter() - started), file=sys.stderr)
     data = json.dumps(to_json(result), indent=2) + "\n"
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
