@@ -33,9 +33,12 @@ _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", 
 
 @contextlib.contextmanager
 def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` is ``value`` inside; the original (or its absence) afterwards."""
+    """``owner.name`` is ``value`` inside; the original (or its absence) afterwards. What ``owner`` holds itself is
+    put back, never what it finds elsewhere: an instance's method stays its class's, not a bound copy in the
+    instance (which would outlive the patch, tie the instance to itself and hide later patches of the class)."""
     missing = object()
-    original = owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name, missing)
+    own = getattr(owner, "__dict__", None)
+    original = own.get(name, missing) if own is not None else getattr(owner, name, missing)
     setattr(owner, name, value)
     try:
         yield

@@ -100,6 +100,7 @@ def test_the_fake_step_leaves_the_run_and_the_model_as_they_were(references):
         make_trainer([callback], max_steps=1).fit(module, loader(seqs=(32,)))
         after[first_plan] = torch.get_rng_state()
         assert [id(p) for p in module.parameters()] == parameters and torch.get_default_dtype() == dtype
+        assert not {"log", "log_dict"} & set(vars(module)), "the class's methods, not copies left in the instance"
         assert all(p.grad is None or p.grad.device.type == "cpu" for p in module.parameters())
         model_fingerprint(module)  # readable: real storage
         assert module.losses and fingerprint is not None
@@ -219,4 +220,34 @@ def test_alike_layers_times_in_another_order_on_the_device_do_not_move_the_plan(
     assert Choice.keep in first and Choice.recompute in first
     assert probe.choices[0] == first and probe.budget.settled and probe.budget.corrections == 0
     assert len({f.recompute_seconds for f in probe.budget.figures}) == 1, "one time for alike layers"
+    # the fake step's peak (every layer recomputed) is not among the real steps' measured choices
+    assert list(probe.budget._measured) == [tuple(first)]
+    assert_exact(references["off"], module)
+
+
+def test_no_layer_keeps_the_fake_steps_clock_when_every_alike_layer_runs_the_save_rules(references, monkeypatch):
+    """The first real step retimes every layer on the device's clock; where every alike layer ran the save rules
+    (no whole forward of their kind to time), each takes its own forward's time, not the fake step's host time."""
+    from test_budget_mode import _slow_recompute
+
+    from lightning_ac.budget.measure import LayerMeter
+
+    _slow_recompute(monkeypatch)  # the save rules look faster than a whole recompute: chosen wherever they fit
+    stop, stops = LayerMeter.stop, []
+
+    def host_clock_apart(self):
+        readings = stop(self)
+        if not stops:  # the fake step: a time no real forward of this tiny model takes
+            for reading in readings:
+                reading.forward_seconds = 1000.0
+        stops.append(None)
+        return readings
+
+    monkeypatch.setattr(LayerMeter, "stop", host_clock_apart)
+    budget = int(references["full_peak"] + 0.1 * (references["off_peak"] - references["full_peak"]))
+    start = StartChoices()
+    callback = ActivationCheckpointing(budget=budget, budget_first_plan="estimate", selective=True)
+    module, _, probe, _ = train(references["base"], [callback, start], lm=FakeableLM)
+    assert start.choices[0] == [Choice.selective] * 4, start.choices[0]
+    assert all(f.recompute_seconds < 1000.0 for f in probe.budget.figures), probe.budget.figures
     assert_exact(references["off"], module)

@@ -387,6 +387,33 @@ def test_an_error_of_the_steps_own_code_is_not_taken_for_an_op_that_raised_and_w
     assert type(raised.value) is ValueError and len(calls) == 2  # not an EstimateError naming tried_kernel
 
 
+def test_an_op_error_that_was_caught_keeps_nothing_of_its_frames(monkeypatch):
+    """A library that tries a kernel and falls back (the error caught) measures as the same step without the try: the
+    estimate keeps nothing of the error, whose frames hold the step's tensors."""
+    from transformers.models.llama import modeling_llama
+
+    @torch.library.custom_op("lightning_ac_estimate_test::tried_on_scratch", mutates_args=())
+    def tried(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    original, peaks = modeling_llama.LlamaMLP.forward, {}
+    for tries in (False, True):
+
+        def forward(self, x, tries=tries):
+            scratch = torch.cat([x] * 8)  # freed when the call returns, unless something keeps its frame
+            try:
+                if tries:
+                    tried(scratch)  # no fake implementation: raises, and the call goes on without it
+            except Exception:
+                pass
+            return original(self, x)
+
+        monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", forward)
+        mode = resolve_modes(["off"], False)[0]
+        peaks[tries] = fake_step(tiny_config("llama"), torch.float32, LORA, mode, 16, 1, "adamw", target="cpu")
+    assert peaks[True].activation_peak_bytes == peaks[False].activation_peak_bytes
+
+
 def test_the_cli_prints_the_table_and_writes_json(tmp_path, tiny_dir, capsys):
     path = tmp_path / "out" / "estimate.json"
     main(

@@ -258,6 +258,10 @@ class BudgetController:
             self._take_selective(readings)
         if peak is not None and self._estimated:
             self._estimated = False
+            # what the fake step measured was no real step's peak: the real ones alone say which choices fit, and
+            # what the figures do not see (a later fallback could report the fake peak, a stale calibration stay)
+            self._measured.clear()
+            self._calibrations.clear()
             # the first real step: checked like the first choice after a measured step (a first step allocates what
             # only a first step does, so it is not held against later choices)
             self._check(peak, first=True)
@@ -441,28 +445,36 @@ class BudgetController:
     def _retime(self, readings: List[LayerReading]) -> None:
         """The first real step after a plan from fake tensors: each layer's recompute time is its forward's, on the
         device's clock (the fake step's are the host's time for ops that computed nothing). A layer that ran the save
-        rules has no whole forward to time (its forward ran the policy too): it takes its alike layers' time."""
+        rules has no whole forward to time (its forward ran the policy too): it takes its alike layers' time, or,
+        where every alike layer ran them, its own forward's (no figure stays on the host's clock)."""
         seconds = self._agree([r.forward_seconds for r in readings])
-        self._time_alike_as_one([None if c is Choice.selective else s for c, s in zip(self.choices, seconds)])
+        whole = [None if c is Choice.selective else s for c, s in zip(self.choices, seconds)]
+        self._time_alike_as_one(whole, fallback=seconds)
 
-    def _time_alike_as_one(self, seconds: List[Optional[float]]) -> None:
+    def _time_alike_as_one(self, seconds: List[Optional[float]], fallback: Optional[List[float]] = None) -> None:
         """Set each layer's recompute time to the mean of ``seconds`` over its alike layers (the same attention type
-        and byte figures; ``None``: not timed). Alike layers cost alike: their times differ by the clock's noise
-        alone, which would otherwise pick which of them to keep, and, when the first real step after an estimate
-        retimes them, move the plan to another alike layer in a correction that changes nothing but the step it
-        costs. With one time, the choice between them is the same on every clock."""
+        and byte figures; ``None``: not timed), or of ``fallback`` where none of them was. Alike layers cost alike:
+        their times differ by the clock's noise alone, which would otherwise pick which of them to keep, and, when
+        the first real step after an estimate retimes them, move the plan to another alike layer in a correction
+        that changes nothing but the step it costs. With one time, the choice between them is the same on every
+        clock."""
         assert self.figures is not None
         keys = [
             (kind, f.saved_bytes, f.input_bytes, f.input_saved_bytes) for kind, f in zip(self.layer_types, self.figures)
         ]
-        timed: Dict[Any, List[float]] = {}
-        for key, value in zip(keys, seconds):
-            if value is not None:
-                timed.setdefault(key, []).append(value)
+
+        def means(values: Sequence[Optional[float]]) -> Dict[Any, float]:
+            timed: Dict[Any, List[float]] = {}
+            for key, value in zip(keys, values):
+                if value is not None:
+                    timed.setdefault(key, []).append(value)
+            return {key: sum(times) / len(times) for key, times in timed.items()}
+
+        mean = {**means(fallback or []), **means(seconds)}
         for index, key in enumerate(keys):
             figures = self.figures[index]
-            if key in timed:
-                figures = dataclasses.replace(figures, recompute_seconds=sum(timed[key]) / len(timed[key]))
+            if key in mean:
+                figures = dataclasses.replace(figures, recompute_seconds=mean[key])
             if self.policy is not None and not self.selective_measured[index]:  # the first guess, on this clock
                 figures = dataclasses.replace(figures, selective_seconds=SELECTIVE_GUESS * figures.recompute_seconds)
             self.figures[index] = figures

@@ -123,12 +123,17 @@ class MemoryTracker(TorchDispatchMode):
         self._window: Optional[List[int]] = None  # [activations at its start, the most since]
         self._handles: List[Any] = []
         self.failed_op: Any = None
-        self._failed_error: Optional[BaseException] = None  # what failed_op raised
+        # what failed_op raised, as its type and message: the error itself would keep its frames' tensors alive
+        # (after a library caught it, they would never be counted as freed)
+        self._failed_error: Optional[Tuple[type, str]] = None
 
     def op_that_raised(self, err: BaseException) -> Any:
         """The op ``err`` came from (the innermost op that raised it, or an error it was raised from), or ``None``:
         an error of the step's own code, or one an op raised that was caught, is not an op's."""
-        return self.failed_op if any(e is self._failed_error for e in _causes(err)) else None
+        return self.failed_op if self._raised_by_failed_op(err) else None
+
+    def _raised_by_failed_op(self, err: BaseException) -> bool:
+        return self._failed_error is not None and any(_signature(e) == self._failed_error for e in _causes(err))
 
     # -- counting ---------------------------------------------------------------------------------------------
 
@@ -306,8 +311,8 @@ class MemoryTracker(TorchDispatchMode):
         except Exception as err:
             # the innermost op that raised: an outer op raises with it (the same error, or one caused by it); an
             # error raised and caught earlier (a library trying an op and falling back) is not this one's cause
-            if not any(e is self._failed_error for e in _causes(err)):
-                self.failed_op, self._failed_error = func, err
+            if not self._raised_by_failed_op(err):
+                self.failed_op, self._failed_error = func, _signature(err)
             raise
         kind = self._tag if self._tag is not None else Kind.ACTIVATION
         for storage in _storages(out):
@@ -328,6 +333,10 @@ class MemoryTracker(TorchDispatchMode):
             self.flops[phase] += int(flops(*args, **kwargs, out_val=out))
         self._update_peaks(phase)
         return out
+
+
+def _signature(err: BaseException) -> Tuple[type, str]:
+    return type(err), str(err)
 
 
 def _causes(err: Optional[BaseException]) -> List[BaseException]:
