@@ -251,3 +251,67 @@ def test_no_layer_keeps_the_fake_steps_clock_when_every_alike_layer_runs_the_sav
     assert start.choices[0] == [Choice.selective] * 4, start.choices[0]
     assert all(f.recompute_seconds < 1000.0 for f in probe.budget.figures), probe.budget.figures
     assert_exact(references["off"], module)
+
+
+class FirstFigures(pl.Callback):
+    """The budget's figures once its first plan is made: after the fake step (estimate) or the first step (measure)."""
+
+    def __init__(self) -> None:
+        self.figures: Any = None
+
+    def _take(self, trainer) -> None:
+        cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+        if self.figures is None and cb.plan.budget.figures is not None:
+            figures = cb.plan.budget.figures
+            self.figures = [(f.saved_bytes, f.input_bytes, f.input_saved_bytes) for f in figures]
+            self.head = (cb.plan.budget.outside_bytes, cb.plan.budget.head_bytes)
+
+    def on_train_batch_start(self, trainer, *args):
+        self._take(trainer)
+
+    def on_train_batch_end(self, trainer, *args):
+        self._take(trainer)
+
+
+def test_the_fake_step_runs_in_the_trainers_precision(references):
+    """Under ``bf16-mixed`` Lightning runs the training step in the precision plugin's autocast: the fake step too, so
+    its figures are those the measuring step takes (in fp32 it measured the layers' activations twice as large)."""
+    taken = {}
+    budget = int(references["off_peak"])
+    for first_plan in ("measure", "estimate"):
+        first = FirstFigures()
+        callback = ActivationCheckpointing(budget=budget, budget_first_plan=first_plan)
+        train(references["base"], [callback, first], steps=2, lm=FakeableLM, precision="bf16-mixed")
+        taken[first_plan] = first.figures, first.head
+    assert taken["estimate"][0] == taken["measure"][0], "each layer's figures, to the byte"
+    (outside, head), (measured_outside, measured_head) = taken["estimate"][1], taken["measure"][1]
+    # the head's working set differs by a few scalars' bytes under autocast (28 of 99,572), not by a dtype
+    assert outside == measured_outside and abs(head - measured_head) <= 64, (head, measured_head)
+
+
+class KeepingLM(FakeableLM):
+    """A training step that keeps what it computed beside its parameters, as Lightning's docs suggest in place of
+    ``training_epoch_end``: each step's loss appended to a list, and a running sum rebound to a new tensor."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.step_outputs: List[torch.Tensor] = []
+        self.loss_sum = torch.zeros(())
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.step_outputs.append(loss.detach())
+        self.loss_sum = self.loss_sum + loss.detach()
+        return loss
+
+
+def test_what_the_step_keeps_beside_its_parameters_is_the_real_steps_alone(references):
+    """The fake step's appends and rebinds do not stay: the list holds each real step's loss, the sum theirs, and no
+    fake tensor is left on the module."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    budget = int(references["full_peak"] + 0.6 * (references["off_peak"] - references["full_peak"]))
+    callback = ActivationCheckpointing(budget=budget, budget_first_plan="estimate")
+    module, _, _, _ = train(references["base"], [callback], lm=KeepingLM)
+    assert [float(loss) for loss in module.step_outputs] == module.losses and len(module.losses) == STEPS
+    assert not isinstance(module.loss_sum, FakeTensor) and float(module.loss_sum) == pytest.approx(sum(module.losses))

@@ -8,9 +8,12 @@ is saved outside them, the output head's working set; its meter tells storages a
 have) and makes its first plan from it. So the first real step already runs the plan instead of recomputing every
 layer, and the closed loop checks it against that step's measured peak and corrects it as after any choice.
 
-The fake step changes nothing of the run: the real parameters get no gradients, no optimizer steps, nothing is
-logged (``self.log`` inside it is a no-op), and the random state, default dtype and device and torch's fake-tensor
-caches are put back (:func:`lightning_ac.fake.fake_session`).
+The step runs in the trainer's precision (a ``*-mixed`` precision's autocast), as Lightning runs it. It changes
+nothing of the run: the real parameters get no gradients, no optimizer steps, nothing is logged (``self.log`` inside
+it is a no-op), what it binds to the modules' attributes or appends to their lists is taken back, and the random
+state, default dtype and device and torch's fake-tensor caches are put back (:func:`lightning_ac.fake.fake_session`).
+What it changes elsewhere (a global, an object outside the module) it changes: a step with such side effects is best
+run with ``budget_first_plan: measure``.
 
 What it does not give: time. The layers' recompute seconds are the fake ops' wall time on the host, which ranks
 alike layers alike and only decides between choices that both fit; the save rules' time is measured in the real
@@ -21,6 +24,7 @@ warning, and the first real step measures instead: nothing is lost but the step 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator, Tuple
 
 import lightning.pytorch as pl
@@ -64,6 +68,29 @@ def _fake_tensors(fake: Any, module: torch.nn.Module) -> Iterator[Tuple[str, tor
         yield name, faked
 
 
+@contextlib.contextmanager
+def _attributes_kept(pl_module: pl.LightningModule) -> Iterator[None]:
+    """What the step keeps beside the parameters and buffers is put back after it: tensors it binds to a module's
+    attributes (a running sum), and the contents of lists (each step's loss appended, as Lightning's docs suggest in
+    place of ``training_epoch_end``); what it adds is taken away. Else a fake tensor would stay in the real run."""
+    saved = []
+    for module in pl_module.modules():
+        kept = {k: v for k, v in vars(module).items() if isinstance(v, (torch.Tensor, list))}
+        saved.append((module, kept, {k: list(v) for k, v in kept.items() if isinstance(v, list)}))
+    try:
+        yield
+    finally:
+        for module, kept, contents in saved:
+            for name, value in list(vars(module).items()):
+                if name in kept:
+                    if value is not kept[name]:
+                        setattr(module, name, kept[name])
+                    if name in contents:
+                        kept[name][:] = contents[name]
+                elif isinstance(value, (torch.Tensor, list)):
+                    delattr(module, name)
+
+
 def _loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
@@ -96,11 +123,15 @@ def plan_from_fake_step(controller: Any, pl_module: pl.LightningModule, batch: A
             fake = fake_mode()
             tensors = dict(_fake_tensors(fake, pl_module))
             fake_batch = apply_to_collection(batch, torch.Tensor, fake.from_tensor)
-            with fake, _reparametrize_module(pl_module, tensors, tie_weights=True):
+            with fake, _reparametrize_module(pl_module, tensors, tie_weights=True), _attributes_kept(pl_module):
                 with patched(pl_module, "log", _nothing), patched(pl_module, "log_dict", _nothing):
                     controller.begin_step(pl_module, [], fake=True)
                     try:
-                        loss = _loss_of(pl_module.training_step(fake_batch, batch_idx))
+                        # in the trainer's precision, as Strategy.training_step runs it (a *-mixed precision's
+                        # autocast: without it, the step would measure fp32 activations); backward outside it
+                        with pl_module.trainer.precision_plugin.train_step_context():
+                            output = pl_module.training_step(fake_batch, batch_idx)
+                        loss = _loss_of(output)
                         controller.before_backward()
                         loss.backward()
                     except BaseException:
