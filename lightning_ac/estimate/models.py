@@ -224,21 +224,17 @@ def _four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any) -> None
     model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model, and PEFT reads to wrap Linear4bit
 
 
-def pack_four_bit(model: nn.Module, dtype: torch.dtype) -> int:
+def pack_four_bit(model: nn.Module, dtype: torch.dtype) -> None:
     """Inside the fake mode, after ``to_empty``: each ``Linear4bit``'s weight as bitsandbytes stores a quantized one,
     packed (two 4-bit values a byte, shape ``(n / 2, 1)``, uint8) with its quant state (a float32 absmax per
     :data:`QLORA_BLOCKSIZE` weights and the 16-value nf4 code), which the estimate holds as buffers of the layer so
     that they are counted with the weights (bitsandbytes keeps them on the weight, where they are neither).
-
-    Returns:
-        The bytes of the quant states.
     """
     import math
 
     from bitsandbytes.functional import QuantState
     from bitsandbytes.nn import Linear4bit
 
-    state_bytes = 0
     for module in model.modules():
         if not isinstance(module, Linear4bit):
             continue
@@ -250,12 +246,11 @@ def pack_four_bit(model: nn.Module, dtype: torch.dtype) -> int:
                            blocksize=QLORA_BLOCKSIZE, quant_type="nf4", dtype=dtype)  # fmt: skip
         # a plain parameter: bitsandbytes' Params4bit cannot wrap a fake tensor, and Linear4bit reads only what is set
         weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8), requires_grad=False)
-        weight.quant_state, weight.quant_type, weight.blocksize, weight.compress_statistics = state, "nf4", 64, False
+        weight.quant_state, weight.quant_type, weight.compress_statistics = state, "nf4", False
+        weight.blocksize = QLORA_BLOCKSIZE
         module.weight = weight
         module.register_buffer("_estimate_absmax", absmax, persistent=False)
         module.register_buffer("_estimate_code", code, persistent=False)
-        state_bytes += absmax.nbytes + code.nbytes
-    return state_bytes
 
 
 def describe(config: Any, model: nn.Module) -> str:
