@@ -195,8 +195,7 @@ def test_the_first_real_step_times_every_layer_on_the_devices_clock(references, 
     assert all(r > 0 for r in real) and all(r != f for r, f in zip(real, fake)), (real, fake)
 
 
-@pytest.mark.parametrize("fraction", [0.25, 0.6])
-def test_alike_layers_times_in_another_order_on_the_device_do_not_move_the_plan(references, fraction, monkeypatch):
+def test_alike_layers_times_in_another_order_on_the_device_do_not_move_the_plan(references, monkeypatch):
     """Alike layers cost alike; their measured times differ by the clock's noise, in any order. The fake step's
     (descending here) and the first real step's (ascending) pick the same layers, so the real step settles the plan
     with no correction. Before, each clock's order picked its own alike layer to keep: a loaded machine moved the
@@ -215,7 +214,7 @@ def test_alike_layers_times_in_another_order_on_the_device_do_not_move_the_plan(
         return readings
 
     monkeypatch.setattr(LayerMeter, "stop", in_order)
-    _, module, probe, start, _ = run(references, fraction, "estimate")
+    _, module, probe, start, _ = run(references, 0.6, "estimate")  # some layers kept, some not: which, the times say
     first = start.choices[0]
     assert Choice.keep in first and Choice.recompute in first
     assert probe.choices[0] == first and probe.budget.settled and probe.budget.corrections == 0

@@ -227,15 +227,13 @@ def test_the_budgets_meter_measures_a_fake_step_as_a_real_one(monkeypatch, selec
 # (family, overrides, dtype, training, fraction of the way from full's peak to off's): the MoE is where the budget's
 # own estimate was most conservative before its figures came from a fake step (36% over its measured peak)
 BUDGET_CASES = [
-    ("llama", {}, torch.float32, LORA, 0.2),
-    ("llama", {}, torch.float32, LORA, 0.6),
-    ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), 0.6),
+    pytest.param("llama", {}, torch.float32, LORA, 0.2, marks=SLOW, id="llama-0.2"),
+    pytest.param("llama", {}, torch.float32, LORA, 0.6, id="llama-0.6"),
+    pytest.param("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), 0.6, id="qwen3_moe-0.6"),
 ]
 
 
-@pytest.mark.parametrize(
-    "family, overrides, dtype, training, fraction", BUDGET_CASES, ids=[f"{c[0]}-{c[-1]}" for c in BUDGET_CASES]
-)
+@pytest.mark.parametrize("family, overrides, dtype, training, fraction", BUDGET_CASES)
 def test_the_budgets_plan_from_an_estimate_is_the_one_a_real_run_settles_on(
     family, overrides, dtype, training, fraction
 ):
