@@ -598,7 +598,8 @@ def test_every_mode_by_default_and_the_budgets_plan_where_a_device_is_given(monk
     monkeypatch.setattr(estimate_module, "budget_plans", plans)
     estimate("llama", seq=32, device_memory="1GiB", longest=False)
     assert ran == default_modes(False) and planned == ["budget"]
-    ran.clear(), planned.clear()
+    ran.clear()
+    planned.clear()
     estimate("llama", seq=32, longest=False)
     assert ran == default_modes(False) and planned == []
 
