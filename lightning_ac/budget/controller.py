@@ -413,12 +413,12 @@ class BudgetController:
         ]
         selective = self.policy is not None
         figures = [r.figures(self.input_held, self.rules_held, selective) for r in agreed]
-        if selective:  # a first guess, so that the rules are tried where they fit; the step that runs them measures
-            figures = [dataclasses.replace(f, selective_seconds=SELECTIVE_GUESS * f.recompute_seconds) for f in figures]
-            self.selective_measured = [False] * len(figures)
         self.figures = figures
+        if selective:
+            self.selective_measured = [False] * len(figures)
         if alike_times:
             self._time_alike_as_one([f.recompute_seconds for f in figures])
+        self._guess_selective()
         tokens, outside, head = self._agree([self.meter.tokens, self.meter.outside_bytes, self.meter.head_bytes])
         self.tokens, self.outside_bytes = int(tokens), int(outside)
         self.head_bytes = int(HEAD_FACTOR * head)
@@ -450,6 +450,7 @@ class BudgetController:
         seconds = self._agree([r.forward_seconds for r in readings])
         whole = [None if c is Choice.selective else s for c, s in zip(self.choices, seconds)]
         self._time_alike_as_one(whole, fallback=seconds)
+        self._guess_selective()  # the first guess, on this clock
 
     def _time_alike_as_one(self, seconds: List[Optional[float]], fallback: Optional[List[float]] = None) -> None:
         """Set each layer's recompute time to the mean of ``seconds`` over its alike layers (the same attention type
@@ -472,12 +473,19 @@ class BudgetController:
 
         mean = {**means(fallback or []), **means(seconds)}
         for index, key in enumerate(keys):
-            figures = self.figures[index]
             if key in mean:
-                figures = dataclasses.replace(figures, recompute_seconds=mean[key])
-            if self.policy is not None and not self.selective_measured[index]:  # the first guess, on this clock
-                figures = dataclasses.replace(figures, selective_seconds=SELECTIVE_GUESS * figures.recompute_seconds)
-            self.figures[index] = figures
+                self.figures[index] = dataclasses.replace(self.figures[index], recompute_seconds=mean[key])
+
+    def _guess_selective(self) -> None:
+        """With save rules, each layer whose selective figures were not measured yet gets a first guess from its
+        recompute time, so that the rules are tried where they fit; the step that runs them measures."""
+        assert self.figures is not None
+        if self.policy is None:
+            return
+        for index, figures in enumerate(self.figures):
+            if not self.selective_measured[index]:
+                guess = SELECTIVE_GUESS * figures.recompute_seconds
+                self.figures[index] = dataclasses.replace(figures, selective_seconds=guess)
 
     def _trying_rules(self) -> bool:
         """Whether this step runs the save rules in a layer whose selective figures are still a guess."""
