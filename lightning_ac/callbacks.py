@@ -106,6 +106,8 @@ class SuiteCallback(Callback):
         self._release()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._plan is not None and self._plan.chunked_loss is not None:
+            self._plan.chunked_loss.explain(exception)
         self._release(after_exception=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -207,7 +209,8 @@ class ActivationCheckpointing(SuiteCallback):
             checks it). See :mod:`lightning_ac.budget.first_plan`.
         chunked_loss: Compute a transformers causal-LM model's training loss a chunk of tokens at a time, so that
             the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
-            memory): ``True`` (1024 tokens a chunk) or ``{"chunk_tokens": N}``. In those forwards the output's
+            memory): ``True`` (``chunk_tokens: auto``: chunks whose logits hold as many elements as the final hidden
+            states, at least 128 tokens) or ``{"chunk_tokens": N}``. In those forwards the output's
             ``logits`` is ``None``. See :mod:`lightning_ac.loss`.
         enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` is what the callback does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
@@ -649,6 +652,19 @@ def callbacks_from_config(
         "layer_offloading_resident_layers",
         fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
     )
+    # a setting that does nothing is an error, as everywhere in the block
+    if layer_offloading_resident_layers and not layer_offloading:
+        raise ConfigError(
+            f"layer_offloading_resident_layers: {layer_offloading_resident_layers} keeps the last decoder layers' "
+            "frozen weights on the device while layer offloading streams the others, but layer_offloading is false, "
+            "so nothing streams. Set layer_offloading: true, or remove layer_offloading_resident_layers."
+        )
+    if verify_steps and not cfg.offload.targets and not layer_offloading:
+        raise ConfigError(
+            f"callbacks_from_config(verify_steps={verify_steps}) (Hydra: offload_verify_steps) checks the first "
+            "optimizer steps' offload transfers, but the block offloads nothing (no offload target, layer_offloading "
+            "false). Remove verify_steps, or set an offload target or layer_offloading: true."
+        )
     callbacks: List[Callback] = []
     if cfg.enabled or cfg.chunked_loss is not None:  # without recompute, the chunked loss is all it does
         callbacks.append(ActivationCheckpointing._from_request(CheckpointingRequest.from_config(cfg), verbose))

@@ -768,9 +768,29 @@ class CheckpointingRequest:
             raise _expected(
                 "ActivationCheckpointing(kwargs=...)", "a mapping of torch.utils.checkpoint arguments", kwargs
             )
+        given_budget = budget
         budget = parse_budget(budget, "ActivationCheckpointing(budget=...)")
         chunked = parse_chunked_loss(chunked_loss, "ActivationCheckpointing(chunked_loss=...)")
         enabled = parse_bool(enabled, "ActivationCheckpointing(enabled=...)")
+        recompute_only = {
+            "implementation": implementation if implementation != "hf" else None,
+            "reentrant": reentrant,
+            "kwargs": kwargs or None,
+            "selective": selective if selective is not False else None,
+            "layers": layers,
+            "budget": given_budget,
+            # "measure" is the default: only another value asks for something
+            "budget_first_plan": budget_first_plan if budget_first_plan not in (None, "measure") else None,
+        }
+        ignored = [name for name, value in recompute_only.items() if value is not None]
+        if not enabled and ignored:
+            given = ", ".join(f"{name}={recompute_only[name]!r}" for name in ignored)
+            raise ConfigError(
+                f"ActivationCheckpointing(enabled=False, {given}): enabled=False recomputes no decoder layer, and "
+                f"{', '.join(ignored)} {'says' if len(ignored) == 1 else 'say'} how to recompute them, so "
+                f"{'it' if len(ignored) == 1 else 'they'} would do nothing. Remove {', '.join(ignored)}, or set "
+                "enabled=True (the default) to recompute."
+            )
         if not enabled and chunked is None:
             raise ConfigError(
                 "ActivationCheckpointing(enabled=False) recomputes no decoder layer, and without chunked_loss it would "

@@ -88,8 +88,12 @@ class DecoderLayers:
 
     def output_heads(self) -> List[nn.Module]:
         """The output heads (``lm_head``) of the transformers models that own the layers."""
+        return [head for _, head in self.models_and_heads()]
+
+    def models_and_heads(self) -> List[Tuple[nn.Module, nn.Module]]:
+        """Each transformers model that owns the layers and has an output head, with that head."""
         heads = [m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None for m in self.hf_models]
-        return [h for h in heads if h is not None]
+        return [(m, h) for m, h in zip(self.hf_models, heads) if h is not None]
 
 
 def compiled_function(fn: Any) -> bool:

@@ -58,6 +58,7 @@ from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_param
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.apply import build_policy
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.train_mode import check_train_mode
 from lightning_ac.verify import StepVerifier
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ class Plan:
             if self._offload_here:
                 assert self.activation_offload_request is not None
                 self.activation_offload = ActivationOffloadRuntime(self.activation_offload_request, self.device)
-                self.activation_offload.install(self.module, output_heads=layers.output_heads())
+                self.activation_offload.install(self.module, output_heads=layers.models_and_heads())
             if self.layer_offload_request is not None:
                 self._install_weight_streamer(modules)
             if cfg.enabled:
@@ -407,15 +408,23 @@ class Plan:
         - the memory budget counts what the step saves outside the decoder layers, while it measures (its step itself
           starts at ``on_train_batch_start``, as the memory measurements of the benchmark do: MemTracker's module
           hooks must see the wrapped module's whole forward under DDP);
-        - in verify mode, the reference pass runs first, on the same arguments.
+        - in verify mode, the reference pass runs first, on the same arguments;
+        - before any of it, the modules that act only in training mode are checked to be in it
+          (:mod:`lightning_ac.train_mode`).
         """
         module, runtime, verifier, budget = self.module, self.activation_offload, self.verifier, self.budget
-        if not _is_lightning_module(module) or (runtime is None and verifier is None and budget is None):
+        needs_train_mode = any(self.recomputed) or self.chunked_loss is not None
+        if not _is_lightning_module(module) or not (runtime or verifier or budget or needs_train_mode):
             return
         original = module.training_step
         trainer = self._trainer
+        layers = self.layers.modules if self.layers is not None else []
+        chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
+        noun = self.layers.noun if self.layers is not None else "decoder layers"
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            # what the budget chose is in self.recomputed (it may change from step to step)
+            check_train_mode(layers, self.recomputed, chunked_models, noun)
             if runtime is not None and not runtime.in_step:  # a closure an optimizer calls again (LBFGS): same step
                 runtime.start_step()
             if budget is not None:
@@ -496,6 +505,7 @@ class Plan:
                 # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
                 head_chunkable=cfg.chunked_loss is None and bool(layers.output_heads()),
                 first_plan=cfg.budget_first_plan,
+                head_chunks=lambda: self.chunked_loss.last_chunks if self.chunked_loss is not None else None,
             )
             switches = self.budget.switches
         if self._engine == "hf":

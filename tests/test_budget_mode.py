@@ -289,6 +289,27 @@ def test_padded_batches_after_the_plan_settled_are_measured_and_kept_under_the_b
     assert_exact(plain, run)
 
 
+def test_the_first_padded_step_after_the_plan_settled_stays_under_the_budget(references):
+    """The new shape of work is seen before the step's first layer runs: that step recomputes every layer (as the
+    measuring step does) instead of running the settled plan over the budget (by 9.6% when it did)."""
+    base = references["base"]
+    _, settled_peak, _, _ = train(base, [ActivationCheckpointing(budget=between(references, 0.5))])
+    data = padded_loader(unpadded=3, padded=2)
+    in_force = []  # the choices each step's layers ran with (the probe's are those after each step's end)
+
+    class InForce(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+            in_force.append(list(cb.plan.budget.choices))
+
+    callback = ActivationCheckpointing(budget=settled_peak)
+    run, peak, probe, _ = train(base, [callback, InForce()], data=data, steps=5, measure_step=3, lm=MaskLM)
+    assert recomputed(in_force[2]) < 4, "the unpadded plan keeps a layer"
+    assert in_force[3] == [Choice.recompute] * 4, "the first padded step recomputes every layer"
+    assert peak <= settled_peak, (peak, settled_peak)
+    assert probe.budget.corrections == 0, "measuring the new shape is not a correction"
+
+
 def test_a_longer_batch_gets_corrections_of_its_own_and_the_settled_plan_reports_its_own_peak(references, monkeypatch):
     # With the corrections spent before, a re-plan for twice the tokens that needs correcting fell straight back to
     # "the fastest plan measured under the budget", measured at the old token count: the run stayed over its budget.

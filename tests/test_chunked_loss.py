@@ -111,6 +111,28 @@ def test_enabled_false_without_chunked_loss_is_an_error():
         ActivationCheckpointing(enabled=False)
 
 
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        ({"budget": "2GiB"}, "budget"),
+        ({"selective": True}, "selective"),
+        ({"reentrant": True}, "reentrant"),
+        ({"kwargs": {"preserve_rng_state": False}}, "kwargs"),
+        ({"implementation": "fsdp"}, "implementation"),
+        ({"layers": ["model.layers.*"]}, "layers"),
+        ({"budget": "2GiB", "selective": True}, "selective, budget"),
+    ],
+)
+@pytest.mark.parametrize("chunked_loss", [None, True])
+def test_enabled_false_names_the_recompute_arguments_that_would_do_nothing(arguments, named, chunked_loss):
+    with pytest.raises(ConfigError) as raised:
+        ActivationCheckpointing(enabled=False, chunked_loss=chunked_loss, **arguments)
+    message = str(raised.value)
+    assert message.startswith("ActivationCheckpointing(enabled=False, ")
+    assert f"and {named} say" in message and f"Remove {named}, or set enabled=True" in message
+    assert "Pass chunked_loss=True" not in message, "no advice that leads to a second error"
+
+
 def test_auto_chunk_tokens_keeps_a_chunk_of_logits_to_the_size_of_the_hidden_states():
     assert auto_chunk_tokens(8192, 4096, 128256) == 512  # 261.6 tokens, rounded up to a power of two
     assert auto_chunk_tokens(32768, 4096, 128256) == 2048
@@ -237,16 +259,49 @@ def test_models(family, overrides, lora):
     assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})]), exact=False)
 
 
-def test_a_trainable_lm_head_in_peft_modules_to_save():
+def _trained_head_model():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(
+    return get_peft_model(
         tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
     )
+
+
+def test_the_applied_line_names_the_head_the_model_has(caplog):
+    """ModernBERT-decoder's output embeddings are its ``decoder`` (its ``lm_head`` is a dense layer before them)."""
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2}
+    base = tiny_model("modernbert-decoder", **ids)
+    plain = train(base, steps=1)
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})], steps=1)
+    assert_same(plain, run, exact=True)
+    assert run.logits == [None]
+    assert any("through ModernBertDecoderForCausalLM.decoder " in m for m in caplog.messages), caplog.messages
+
+
+def test_a_trainable_lm_head_in_peft_modules_to_save():
+    model = _trained_head_model()
     plain = train(model)
     assert any("modules_to_save" in name and "lm_head" in name for name in plain.step_grads[0])
     assert_same(plain, train(model, [ActivationCheckpointing(chunked_loss=True)]), exact=False)
+
+
+@pytest.mark.parametrize(
+    "arguments, measured",
+    [({"budget": "1MiB"}, False), ({}, True)],
+    ids=["the_budgets_measuring_step", "full_under_memtracker"],
+)
+def test_a_trained_head_under_module_trackers(arguments, measured):
+    """PEFT's modules_to_save calls the trained head's copy as a module, inside the chunks' backward: module trackers
+    (torch's ModTracker, under the budget's measuring step and under MemTracker) see nothing of it and keep working."""
+    model = _trained_head_model()
+    plain = train(model)
+    metrics = [StepMetrics(measure_step=0, warmup_steps=0)] if measured else []
+    run = train(model, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}, **arguments), *metrics])
+    assert_same(plain, run, exact=False)
+    assert run.logits == [None, None], "the loss was chunked"
+    if measured:
+        assert metrics[0].peak is not None and metrics[0].peak.activation_bytes > 0
 
 
 def test_bfloat16():
@@ -349,13 +404,93 @@ def test_a_training_forward_without_labels_is_said_once_and_computes_as_before(l
     assert_same(plain, run, exact=True)
 
 
-def test_a_model_that_changes_its_logits_otherwise_is_refused_before_training():
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize(
+    "family, overrides, ops, exact",
+    [
+        ("hyperclovax", {"logits_scaling": 0.25}, [("mul", 0.25)], True),  # the scale on the head's own line
+        # ... an attribute of the inner model (the loss bit-identical, the gradients within float rounding)
+        ("falcon_h1", {"lm_head_multiplier": 0.25}, [("mul", 0.25)], False),
+        ("granite", {"logits_scaling": 4.0}, [("div", 4.0)], True),  # a line of its own after the head
+        ("cohere", {"logit_scale": 0.5}, [("mul", 0.5)], True),
+        ("gemma3_text", {"final_logit_softcapping": 30.0}, [("div", 30.0), ("tanh", None), ("mul", 30.0)], True),
+    ],
+)
+def test_a_logit_scale_the_forward_applies_is_applied_to_every_chunk(family, overrides, ops, exact):
+    from lightning_ac.loss.source import logit_ops
 
-    config = tiny_config("cohere", logit_scale=0.5)
-    model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ConfigError, match=r"CohereForCausalLM.forward changes the logits .*logit_scale"):
+    base = tiny_model(family, **overrides)
+    assert logit_ops(base) == ops
+    plain = train(base, steps=1)
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})], steps=1)
+    assert_same(plain, run, exact=exact)
+    assert run.losses == plain.losses
+    assert run.logits == [None], "the loss was chunked"
+    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})], steps=1), exact=False)
+
+
+def _sliced_vocabulary_model():
+    from transformers import LlamaForCausalLM
+
+    class SlicedLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits = logits[..., : self.config.vocab_size // 2]
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, self.config.vocab_size // 2)
+            return loss
+
+    return SlicedLlama(tiny_config("llama"))
+
+
+def test_a_model_that_changes_its_logits_otherwise_is_refused_before_training():
+    with pytest.raises(ConfigError, match=r"SlicedLlama.forward cannot be .* `logits = logits\[\.\.\., :self"):
+        train(_sliced_vocabulary_model(), [ActivationCheckpointing(chunked_loss=True)], steps=1)
+
+
+def test_a_hook_that_changes_the_heads_output_is_caught_at_the_step():
+    """What the source cannot show (a forward hook on the head) is seen in the logits that reach the loss."""
+    model = tiny_model("llama")
+    model.lm_head.register_forward_hook(lambda module, args, output: output * 0.25)
+    with pytest.raises(RuntimeError, match=r"not what its source does .*\(nothing\).*a forward hook on lm_head"):
         train(model, [ActivationCheckpointing(chunked_loss=True)], steps=1)
+
+
+class KeptLogitsLM(StepsLM):
+    """Keeps the logits of the last 8 positions and passes the whole labels: the model refuses the pair."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        return self.model(input_ids=ids, labels=ids, logits_to_keep=8).loss
+
+
+def test_labels_that_do_not_pair_with_the_kept_positions_are_refused_as_the_model_refuses_them(llama):
+    with pytest.raises(ValueError) as model_says:
+        train(llama, module_cls=KeptLogitsLM, steps=1)
+    with pytest.raises(ValueError) as chunked_says:
+        train(llama, [ActivationCheckpointing(chunked_loss=True)], module_cls=KeptLogitsLM, steps=1)
+    assert "batch_size" in str(model_says.value)
+    assert str(chunked_says.value) == str(model_says.value)
+
+
+class AccuracyLM(StepsLM):
+    """Computes the token accuracy from the logits of the training forward, as TRL's SFT trainer does."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        output = self.model(input_ids=ids, labels=ids)
+        self.log("accuracy", (output.logits.argmax(-1)[:, :-1] == ids[:, 1:]).float().mean())
+        return output.loss
+
+
+def test_a_step_that_reads_the_logits_it_was_not_given_is_told_why_and_what_to_do(llama):
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'argmax'") as raised:
+        with pytest.warns(UserWarning, match="this may be the chunked loss"):  # said in the log too
+            train(llama, [ActivationCheckpointing(chunked_loss=True)], module_cls=AccuracyLM, steps=1)
+    (note,) = raised.value.__notes__
+    assert "LlamaForCausalLM's training forwards with labels return logits=None" in note
+    assert "validation_step" in note and "chunked_loss: false" in note
 
 
 def test_a_custom_loss_function_is_refused_before_training():
@@ -427,6 +562,17 @@ def test_under_a_budget_the_smaller_head_leaves_room_for_kept_layers():
     advice = next(str(w.message) for w in caught if "over the budget" in str(w.message))
     assert "chunked_loss: true (the output head's logits and their gradient hold" in advice
     assert whole.budget_plan["choices"] == ["recompute"] * 4
+
+
+def test_where_the_loss_runs_as_one_chunk_the_nothing_fits_advice_names_chunk_tokens():
+    vocab = 2048
+    base = tiny_model("llama", lora=True, vocab_size=vocab)
+    one_chunk = ActivationCheckpointing(budget=1, chunked_loss=True)  # auto: 128 tokens, all of this step's
+    with pytest.warns(UserWarning, match="over the budget") as caught:
+        train(base, [one_chunk], steps=2, data=batches(2, vocab=vocab, seq=64))
+    advice = next(str(w.message) for w in caught if "over the budget" in str(w.message))
+    assert "chunked_loss.chunk_tokens below the step's 128 tokens (the loss ran as one chunk of 128 tokens" in advice
+    assert "chunked_loss: true" not in advice
 
 
 def test_the_budget_measures_the_chunked_heads_working_set_in_the_forward_where_it_is():

@@ -357,6 +357,13 @@ def test_unknown_field_fails_at_composition(tmp_path):
     assert "typo" in result.stderr
 
 
+def test_resident_layers_without_layer_offloading_stop_the_job_before_it_trains(tmp_path):
+    result = train(tmp_path, "layer_offloading_resident_layers=2")
+    assert result.returncode != 0
+    assert "layer_offloading_resident_layers: 2 keeps" in result.stderr and "layer_offloading is false" in result.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_override_any_field_on_any_option(tmp_path):
     ok(train(tmp_path, "activation_checkpointing=every_2", "activation_checkpointing.kwargs.every_n_layers=1"))
     assert summary(tmp_path)["activation_checkpointing"]["kwargs"] == {"every_n_layers": 1}

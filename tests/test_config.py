@@ -225,3 +225,28 @@ def test_yaml_text_is_refused_with_how_to_load_it():
         callbacks_from_config("enabled: true\nselective: true")
     block = OmegaConf.create("enabled: true\nselective: true")
     assert parse_config(block).selective is not None
+
+
+@pytest.mark.parametrize(
+    "block, arguments, says",
+    [
+        (True, {"layer_offloading_resident_layers": 2}, "layer_offloading_resident_layers: 2 keeps"),
+        (True, {"verify_steps": 2}, r"callbacks_from_config\(verify_steps=2\) \(Hydra: offload_verify_steps\)"),
+        ({"enabled": False, "chunked_loss": True}, {"verify_steps": 1}, "the block offloads nothing"),
+    ],
+)
+def test_a_setting_that_would_do_nothing_is_an_error(block, arguments, says):
+    with pytest.raises(ConfigError, match=says):
+        callbacks_from_config(block, **arguments)
+
+
+@pytest.mark.parametrize(
+    "block, arguments",
+    [
+        (True, {"layer_offloading": True, "layer_offloading_resident_layers": 2}),
+        ({"offload": {"all": "cpu"}}, {"verify_steps": 2}),
+        (True, {"layer_offloading": True, "verify_steps": 2}),
+    ],
+)
+def test_the_same_settings_where_they_act_are_taken(block, arguments):
+    assert callbacks_from_config(block, **arguments)

@@ -13,7 +13,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import ALL_LINEARS, tiny_config, tiny_model
 
 import lightning_ac.estimate as estimate_module
 import lightning_ac.estimate.step as step_module
@@ -666,3 +666,21 @@ def test_axolotls_published_measurement_is_reproduced():
         step = result.step(mode, 8192)
         delta = step.device_total_bytes - step.parameter_bytes - step.buffer_bytes - 8192 * 8  # less the batch's ids
         assert round(delta / 1e9, 2) == published, (mode, delta)
+
+
+@pytest.mark.parametrize(
+    "number, digits, written",
+    [(8_040_000_000, 2, "8.04 B"), (6_815_744, 1, "6.8 M"), (41_024, 1, "41.0 K"), (512, 1, "512"), (0, 1, "0")],
+)
+def test_parameter_counts_are_written_in_the_unit_that_says_something(number, digits, written):
+    from lightning_ac.estimate.models import count
+
+    assert count(number, digits) == written
+
+
+def test_a_small_models_description_counts_its_parameters(tiny_dir):
+    model = tiny_model("llama", lora=True)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    result = estimate(tiny_dir, seq=16, batch=1, modes=["full"], lora=4, lora_targets=ALL_LINEARS)
+    assert result.description.startswith(f"llama: {total / 1e3:.2f} K parameters ({trainable / 1e3:.1f} K trainable)")

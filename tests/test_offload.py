@@ -107,6 +107,45 @@ def test_output_head_stays_on_device(llama_reference, transfer):
     assert seen == [1]
 
 
+class OutsideLossLM(LM):
+    """Computes the loss outside the model, from its logits, as many training steps do."""
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        logits = self.model(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("module_cls", [LM, OutsideLossLM], ids=["loss_in_the_model", "loss_in_the_step"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["no_recompute", "full"])
+def test_the_logits_and_the_loss_over_them_stay_on_device(transfer, module_cls, recompute):
+    """Nothing of the vocabulary's size moves: the logits, their float32 upcast and the log-softmax of the loss are
+    read first thing in backward."""
+    vocab = 1000  # no other dimension of the tiny model has this size
+    base = tiny_model("llama", lora=True, vocab_size=vocab)
+    moved = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            engine = callback.plan.activation_offload.engine
+            pack = engine.pack
+
+            def recording_pack(tensor, target):
+                moved.append(tuple(tensor.shape))
+                return pack(tensor, target)
+
+            engine.pack = recording_pack
+
+    callback = ActivationOffload(all="cpu", copy_on_host=True, min_offload_bytes=0)
+    reference = fit(clone(base), module_cls=module_cls)
+    run = fit(
+        clone(base), [*([ActivationCheckpointing()] if recompute else []), callback, Record()], module_cls=module_cls
+    )
+    assert_same_training(reference, run)
+    assert callback.last_step["all"]["tensors"] > 0
+    assert [shape for shape in moved if shape[-1:] == (vocab,)] == []
+
+
 def test_lora_and_reentrant_with_hidden_states(transfer):
     base = tiny_model("llama", lora=True)
     reference = fit(clone(base))

@@ -15,9 +15,10 @@ peak, correct it until it holds, and settle.
    per token; the layers are measured again in that step, and where their figures did not scale linearly, the
    planner says so and takes the measured ones.
 5. A batch whose shape of work is new (an attention mask appears with padding or packed documents, another
-   precision: :func:`~lightning_ac.budget.measure.shape_of_work`) is measured from its first layer on, on the CPU as
-   on CUDA, and checked like any choice: what the figures do not see is kept per shape of work, and the plan fits the
-   largest. A step over the budget is corrected and said.
+   precision: :func:`~lightning_ac.budget.measure.shape_of_work`) recomputes every layer (before its first layer
+   runs, so that it stays under the budget where anything does) and is measured, on the CPU as on CUDA: what the
+   figures do not see is kept per shape of work, the plan is chosen again to fit the largest, and the next step
+   checks it like any choice. A step over the budget is corrected and said.
 
 Under DDP and FSDP every rank must recompute the same layers: measurements are reduced (the largest) across the
 ranks before a choice is made, and the token count of each step is agreed the same way.
@@ -26,7 +27,7 @@ ranks before a choice is made, and the token count of each step is agreed the sa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, 
 from lightning_ac.budget.measure import LayerMeter, LayerReading, held_bytes, shape_of_work
 from lightning_ac.budget.switch import LayerSwitch
 from lightning_ac.config import AUTO
+from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.offload.device import format_bytes
 from lightning_ac.selective.policy import SelectivePolicy
@@ -86,6 +88,9 @@ class BudgetController:
             the head holds a large share of the peak, the nothing-fits advice names it.
         first_plan: ``measure`` (the first step recomputes every layer and measures them) or ``estimate`` (a step
             on fake tensors before it does: :mod:`lightning_ac.budget.first_plan`).
+        head_chunks: When the chunked loss runs, what its last call did: ``(tokens a chunk, tokens)``, or ``None``
+            before any. Where it ran as one chunk and the head holds a large share of the peak, the nothing-fits
+            advice names ``chunk_tokens``.
     """
 
     def __init__(
@@ -102,10 +107,12 @@ class BudgetController:
         layer_types: Optional[Sequence[Optional[str]]] = None,
         head_chunkable: bool = False,
         first_plan: str = "measure",
+        head_chunks: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
     ) -> None:
         self.requested = budget
         self.first_plan = first_plan
         self.head_chunkable = head_chunkable
+        self.head_chunks = head_chunks
         self.budget_bytes: Optional[int] = None if budget == AUTO else int(budget)
         self.device = device
         self.input_held = input_held
@@ -130,6 +137,7 @@ class BudgetController:
         self.calibration = 0  # measured peak less the figures' estimate: what they do not see (the largest below)
         self._calibrations: Dict[tuple, int] = {}  # the calibration of each shape of work measured
         self._shape: Optional[tuple] = None  # this step's shape of work, from its first layer call
+        self._measuring_shape = False  # this step recomputes every layer to measure a new shape of work
         self.measured_peak: Optional[int] = None
         self.corrections = 0
         self.phase = _MEASURE
@@ -274,11 +282,12 @@ class BudgetController:
             # a run's first step allocates what only a first step does: it is not held against later choices
             self._check(peak, first=True)
         elif peak is not None:
-            self._check(peak)
+            measuring, self._measuring_shape = self._measuring_shape, False
+            self._check(peak, measuring=measuring)
 
     def abort_step(self) -> None:
         """After an exception: nothing measured stays active."""
-        self.in_step = self._fake = False
+        self.in_step = self._fake = self._measuring_shape = False
         measurement, self._measurement = self._measurement, None
         if measurement is not None:
             measurement.__exit__(RuntimeError, RuntimeError("step failed"), None)
@@ -353,14 +362,19 @@ class BudgetController:
             self._new_shape(function, args)
 
     def _new_shape(self, function: Callable[..., Any], args: tuple) -> None:
-        """This step's layers get other inputs than any measured step's: measured from here, and checked."""
+        """This step's layers get other inputs than any measured step's: before its first layer runs, every layer is
+        set to recompute (the least memory the block allows, as in the measuring step: the settled plan's figures
+        never saw these inputs, and ran over the budget by about 10% with a padded batch); the step is measured, and
+        the plan is chosen again for what it shows, like the first choice after the measuring step."""
         rank_zero_info(
             "budget: this step's batch has another shape of work than the steps measured (e.g. an attention mask for "
-            "padding or packed sequences): measuring it against the budget"
+            "padding or packed sequences): recomputing every layer in it to measure it, then choosing again"
         )
         self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these
         self.corrections = 0
         self.phase = _CHECK
+        self._set([Choice.recompute] * len(self.switches))
+        self._measuring_shape = True
         if self._measurement is None:  # a settled plan on the CPU: nothing is measured until now
             self._measurement = measure_step(
                 self._measured_modules, self._measured_optimizers, self.device, False, inside_forward=True
@@ -633,10 +647,18 @@ class BudgetController:
         """What lowers the activation peak below every layer recomputed, in this configuration. (Layer offloading
         is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
         ways = []
-        if self.head_chunkable and self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0):
+        big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
+        chunks = self.head_chunks() if self.head_chunks is not None else None
+        if self.head_chunkable and big_head:
             ways.append(
                 f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
                 " of it; the loss a chunk of tokens at a time holds a chunk's)"
+            )
+        elif chunks is not None and chunks[0] >= chunks[1] and big_head:
+            ways.append(
+                f"chunked_loss.chunk_tokens below the step's {chunks[1]} tokens (the loss ran as one chunk of "
+                f"{chunks[0]} tokens, whose logits and gradient hold {format_bytes(self.head_bytes)} of the peak; "
+                f"chunk_tokens: auto takes at least {MIN_AUTO_CHUNK_TOKENS}, so give a number)"
             )
         if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
             ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")

@@ -258,6 +258,14 @@ def describe(config: Any, model: nn.Module) -> str:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return (
-        f"{config.model_type}: {params / 1e9:.2f} B parameters ({trainable / 1e6:.1f} M trainable), "
+        f"{config.model_type}: {count(params, 2)} parameters ({count(trainable, 1)} trainable), "
         f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}"
     )
+
+
+def count(number: int, digits: int) -> str:
+    """A count of parameters as people write it: ``8.04 B``, ``6.8 M``, ``41.0 K``, ``512``."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if number >= scale:
+            return f"{number / scale:.{digits}f} {unit}"
+    return str(number)

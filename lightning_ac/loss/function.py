@@ -16,10 +16,14 @@ the chunks' sums add in another order: the loss is equal within float rounding.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import collections
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from lightning_ac.loss.source import LogitOp, apply_logit_ops
 
 __all__ = ["chunked_causal_lm_loss", "shift_labels"]
 
@@ -31,6 +35,33 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """As transformers' ``ForCausalLMLoss``: tokens ``< n`` predict ``n``; the last position predicts nothing."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+# The module-level registries nn.Module's call reads for global hooks (torch.nn.modules.module)
+_GLOBAL_MODULE_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+@contextlib.contextmanager
+def _no_global_module_hooks() -> Iterator[None]:
+    """Module calls inside see no global module hook (the registries are put back as they were, same objects, so
+    the trackers' handles stay valid)."""
+    from torch.nn.modules import module
+
+    saved = {name: getattr(module, name) for name in _GLOBAL_MODULE_HOOKS if hasattr(module, name)}
+    try:
+        for name in saved:
+            setattr(module, name, collections.OrderedDict())
+        yield
+    finally:
+        for name, registry in saved.items():
+            setattr(module, name, registry)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -58,7 +89,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             end = min(start + chunk_tokens, hidden.shape[0])
             # What the chunk's graph saves is freed with it, within this call: no saved-tensor hooks of the run
             # (offloading, the budget's counting) see it.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_plain, _plain):
+            # Nor do global module hooks: a module tracker (torch's ModTracker, under MemTracker and the memory
+            # budget's measuring step) that sees a module called inside the chunk (a trained head: PEFT's
+            # modules_to_save wrapper calls its copy as a module) hooks its tensors for backward, and this backward,
+            # run inside the model's forward, breaks its bookkeeping (it raises, or resets what it tracks).
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(_plain, _plain),
+                _no_global_module_hooks(),
+            ):
                 piece = hidden[start:end].detach().requires_grad_(wants_hidden)
                 loss = chunk_loss(piece, labels[start:end])
                 inputs = ([piece] if wants_hidden else []) + wanted
@@ -113,6 +152,7 @@ def chunked_causal_lm_loss(
     num_items_in_batch: Any = None,
     shifted_labels: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
+    logit_ops: Sequence[LogitOp] = (),
 ) -> torch.Tensor:
     """The causal-LM loss of ``head(hidden)`` against ``labels``, as transformers' ``ForCausalLMLoss`` computes it,
     without the whole logits.
@@ -128,6 +168,8 @@ def chunked_causal_lm_loss(
             else the mean over the tokens not ignored.
         shifted_labels: Already shifted labels (transformers' ``shift_labels``).
         softcap: The model's ``final_logit_softcapping``: ``logits = tanh(logits / softcap) * softcap``.
+        logit_ops: What the model's forward does to its head's output before its loss, in order
+            (:func:`~lightning_ac.loss.source.logit_ops`): ``("mul", s)``, ``("div", s)``, ``("tanh", None)``.
 
     Returns:
         The loss, a float32 scalar whose backward gives ``hidden`` and ``params`` their gradients.
@@ -142,12 +184,12 @@ def chunked_causal_lm_loss(
     else:
         denominator = torch.tensor(num_items_in_batch, device=flat_hidden.device)
 
+    ops = list(logit_ops)
+    if softcap is not None:  # as Gemma's forward does, in the logits' dtype
+        ops += [("div", softcap), ("tanh", None), ("mul", softcap)]
+
     def chunk_loss(piece: torch.Tensor, piece_targets: torch.Tensor) -> torch.Tensor:
-        logits = head(piece)
-        if softcap is not None:  # as Gemma's forward does, in the logits' dtype
-            logits = logits / softcap
-            logits = torch.tanh(logits)
-            logits = logits * softcap
+        logits = apply_logit_ops(head(piece), ops)
         return F.cross_entropy(logits.float(), piece_targets, ignore_index=ignore_index, reduction="sum")
 
     return _ChunkedHeadLoss.apply(flat_hidden, targets, denominator, chunk_loss, int(chunk_tokens), *params)

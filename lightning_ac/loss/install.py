@@ -7,10 +7,12 @@ states; the model's ``loss_function`` then computes the loss from those, a chunk
 (:func:`~lightning_ac.loss.function.chunked_causal_lm_loss`), and the output's ``logits`` is ``None``. Every other
 call (evaluation, no gradients, no labels) computes as the model does.
 
-What a model does between its head and its loss is read from its ``forward``'s source, once, before training: the
-plain ``logits = self.lm_head(...)`` then ``loss = self.loss_function(...)`` of most causal LMs, or the Gemma
-family's final-logit soft-capping, which the chunks apply the same way. Anything else there (a logit scale, a
-sliced vocabulary...) is refused, naming what was found, rather than computed differently.
+What a model's ``forward`` does between its head and its loss is read from its syntax tree, once, before training
+(:mod:`lightning_ac.loss.source`): nothing, for most causal LMs; scales and ``tanh`` (Gemma's final-logit
+soft-capping, Granite's, Cohere's and HyperCLOVAX's logit scales), which the chunks apply the same way. Anything else
+(a sliced vocabulary...) is refused, naming what was found, rather than computed differently. At each chunked call,
+the logits that reach the loss must be what the head returned, changed by those operations alone (a forward hook on
+the head that changes them is caught there).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,33 +28,11 @@ from torch import nn
 from lightning_ac._logging import rank_zero_warn
 from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.loss.function import chunked_causal_lm_loss
+from lightning_ac.loss.source import LogitOp, SourceError, apply_logit_ops, head_name, logit_ops
 
-__all__ = ["MIN_AUTO_CHUNK_TOKENS", "ChunkedLoss", "auto_chunk_tokens", "head_to_loss"]
+__all__ = ["MIN_AUTO_CHUNK_TOKENS", "ChunkedLoss", "auto_chunk_tokens"]
 
 _MISSING = object()
-# Lines a causal LM's forward may hold between its head and its loss: the plain form, and Gemma's soft-capping
-_PLAIN: List[str] = []
-_SOFTCAP = [
-    "if self.config.final_logit_softcapping is not None:",
-    "logits = logits / self.config.final_logit_softcapping",
-    "logits = torch.tanh(logits)",
-    "logits = logits * self.config.final_logit_softcapping",
-]
-_IGNORED = ("loss = None", "if labels is not None:", "loss =")
-
-
-def head_to_loss(model_class: type) -> Optional[List[str]]:
-    """The statements ``model_class.forward`` runs between ``self.lm_head(`` and ``self.loss_function(``
-    (comments and blank lines left out), or ``None`` when its source calls either not at all."""
-    try:
-        source = inspect.getsource(model_class.forward)
-    except (OSError, TypeError):
-        return None
-    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
-    if head < 0 or loss < head:
-        return None
-    lines = [line.split("#")[0].strip() for line in source[head:loss].splitlines()[1:]]
-    return [line for line in lines if line and line not in _IGNORED]
 
 
 # chunk_tokens: auto never takes fewer tokens a chunk: below it each chunk's matmuls are too small to run at speed.
@@ -91,10 +71,11 @@ class _Call:
 class _Model:
     """What the chunked loss installs on one model, and what it found there before."""
 
-    def __init__(self, model: nn.Module, softcap: Optional[float]) -> None:
+    def __init__(self, model: nn.Module, ops: List[LogitOp]) -> None:
         self.model = model
         self.head: nn.Module = model.get_output_embeddings()
-        self.softcap = softcap
+        self.head_name = head_name(model) or "lm_head"
+        self.ops = ops  # what the forward does to the head's output before its loss
         self.calls: List[Optional[_Call]] = []
         self.handles: List[Any] = []
         self.saved: Dict[str, Any] = {}
@@ -113,13 +94,16 @@ class ChunkedLoss:
         self._models = [_Model(model, self.check(model)) for model in models]
         self._said_no_labels = False
         self.chunked_calls = 0  # training forwards whose loss was chunked
+        self._without_logits = ""  # the model whose training forward last returned logits=None
+        self.last_chunks: Optional[Tuple[int, int]] = None  # the last chunked call's (tokens a chunk, tokens)
 
     @staticmethod
-    def check(model: nn.Module) -> Optional[float]:
+    def check(model: nn.Module) -> List[LogitOp]:
         """Whether the chunked loss can compute ``model``'s loss exactly as the model does.
 
         Returns:
-            The final-logit soft-cap the chunks apply, or ``None``.
+            What the model's forward does to its head's output before its loss (:mod:`lightning_ac.loss.source`),
+            which the chunks do too.
 
         Raises:
             ConfigError: If it cannot, naming what stands in the way and the fix.
@@ -143,21 +127,19 @@ class ChunkedLoss:
                 f"(ForCausalLMLoss) but {getattr(model.loss_function, '__name__', model.loss_function)!r}; the chunks "
                 f"would compute another loss than yours. {fix}"
             )
-        between = head_to_loss(type(model))
-        if between is None:
+        try:
+            return logit_ops(model)
+        except SourceError as err:
             raise ConfigError(
-                f"activation_checkpointing.chunked_loss: {name}.forward does not call self.lm_head(...) and then "
-                f"self.loss_function(...), which is what the chunked loss replaces. {fix}"
-            )
-        if between == _PLAIN:
-            return None
-        if between == _SOFTCAP:
-            return getattr(model.config, "final_logit_softcapping", None)
-        raise ConfigError(
-            f"activation_checkpointing.chunked_loss: {name}.forward changes the logits between its head and its "
-            f"loss ({' / '.join(between)}), which the chunked loss does not reproduce (it knows the plain head and "
-            f"Gemma's final-logit soft-capping). {fix}"
-        )
+                f"activation_checkpointing.chunked_loss: {name}.forward cannot be reproduced a chunk at a time: {err}. "
+                "The chunked loss reproduces a plain head and, between the head and the loss, scales by a number or a "
+                f"self. attribute and tanh (Gemma's soft-capping, Granite's and Cohere's logit scales). {fix}"
+            ) from None
+
+    @property
+    def models(self) -> List[nn.Module]:
+        """The models whose loss is chunked."""
+        return [entry.model for entry in self._models]
 
     # -- install --------------------------------------------------------------------------------------------
 
@@ -191,8 +173,28 @@ class ChunkedLoss:
                 else:
                     owner.__dict__[name] = previous
 
+    def explain(self, error: BaseException) -> None:
+        """Say, on an error that reads ``None`` as a tensor after a training forward returned ``logits=None`` (a
+        step computing token accuracy from the logits, as TRL's SFT does), what happened and what to do: a note on the
+        error (printed with its traceback) and a log line."""
+        if (
+            not self._without_logits
+            or not isinstance(error, (AttributeError, TypeError))
+            or "NoneType" not in str(error)
+        ):
+            return
+        note = (
+            f"lightning_ac: this may be the chunked loss: {self._without_logits}'s training forwards with labels "
+            "return logits=None (the loss is computed a chunk at a time, and the logits never exist whole). Compute "
+            "what needs the logits in validation_step (evaluation forwards return them), or call the model without "
+            "labels and compute the loss yourself, or set chunked_loss: false."
+        )
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        rank_zero_warn(note)
+
     def describe(self) -> str:
-        heads = ", ".join(sorted({f"{type(e.model).__name__}.lm_head" for e in self._models}))
+        heads = ", ".join(sorted({f"{type(e.model).__name__}.{e.head_name}" for e in self._models}))
         if self.chunk_tokens == AUTO:
             tokens = f"chunks of logits the size of the final hidden states (at least {MIN_AUTO_CHUNK_TOKENS} tokens)"
         else:
@@ -240,12 +242,19 @@ class ChunkedLoss:
             if call is None or call.hidden is None or call.computed:
                 return standard(logits, labels, vocab_size, **kwargs)
             call.computed = True
+            _check_logits(entry, call, logits)
+            hidden = call.hidden
+            given = kwargs.get("shift_labels")
+            if (given if given is not None else labels).shape != hidden.shape[:-1]:
+                # labels that do not pair with the positions the head saw (logits_to_keep): the model's own loss
+                # says what is wrong (or computes what it computes)
+                return standard(apply_logit_ops(head_forward(hidden), entry.ops), labels, vocab_size, **kwargs)
             self.chunked_calls += 1
             params = [p for p in entry.head.parameters() if p.requires_grad]
-            hidden = call.hidden
             tokens = self.chunk_tokens
             if tokens == AUTO:
                 tokens = auto_chunk_tokens(hidden.shape[:-1].numel(), hidden.shape[-1], vocab_size)
+            self.last_chunks = (int(tokens), hidden.shape[:-1].numel())
             return chunked_causal_lm_loss(
                 hidden,
                 labels,
@@ -255,7 +264,7 @@ class ChunkedLoss:
                 ignore_index=kwargs.get("ignore_index", -100),
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
                 shifted_labels=kwargs.get("shift_labels"),
-                softcap=entry.softcap,
+                logit_ops=entry.ops,
             )
 
         return loss_function
@@ -271,9 +280,26 @@ class ChunkedLoss:
                     "compute its loss with self.loss_function, so the chunked loss could not stand in for them. Set "
                     "chunked_loss: false for this model."
                 )
+            self._without_logits = type(module).__name__
             return _without_logits(output, call)
 
         return post_hook
+
+
+def _check_logits(entry: _Model, call: _Call, logits: Any) -> None:
+    """The logits that reach the loss are the head's output changed by what the forward's source says, nothing else:
+    the placeholder itself when the source does nothing to it, and a tensor made from it otherwise."""
+    placeholder = call.placeholder
+    assert placeholder is not None
+    made_from_it = torch.is_tensor(logits) and logits is not placeholder and logits.shape == placeholder.shape
+    if logits is placeholder if not entry.ops else made_from_it:
+        return
+    raise RuntimeError(
+        f"chunked_loss: the logits {type(entry.model).__name__}.forward passed to its loss are not what its source "
+        f"does to its head's output ({', '.join(op for op, _ in entry.ops) or 'nothing'}): something else changed "
+        f"them (a forward hook on {entry.head_name}?), which the chunked loss would leave out. Set chunked_loss: false "
+        "for this model, or remove what changes its logits."
+    )
 
 
 def _without_logits(output: Any, call: _Call) -> Any:

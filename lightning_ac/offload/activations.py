@@ -4,8 +4,8 @@ and :class:`ActivationOffloadRuntime`, which installs them on a model and drives
 - ``hidden_states``: an outer saved-tensor hook around each checkpointed layer's checkpoint call. Both
   non-reentrant and reentrant checkpoint save exactly the layer's inputs under it (their inner saves go to
   checkpoint's own storage), so only layer inputs move. No torch function is patched.
-- ``all``: a saved-tensor hook over the whole training step; parameters, buffers, small tensors and the output
-  head's activations stay on the device.
+- ``all``: a saved-tensor hook over the whole training step; parameters, buffers, small tensors, and what is saved
+  from the output head's call on (the logits and the loss over them) stay on the device.
 - ``selective``: a storage for torch's selective-checkpoint modes whose entries live on the host; SAC-saved
   tensors bypass saved-tensor hooks, so this is the only way to move them.
 """
@@ -78,20 +78,29 @@ class SavedTensorOffloader:
             self._active.__enter__()
 
     def pop(self) -> None:
+        self.paused = 0
         if self._active is not None:
             active, self._active = self._active, None
             active.__exit__(None, None, None)
 
-    def pause_in(self, module: nn.Module) -> List[Any]:
-        """Keep ``module``'s saves (the output head) on the device; returns the hook handles."""
+    def pause_from(self, head: nn.Module, models: Sequence[nn.Module]) -> List[Any]:
+        """Keep what is saved from the call of ``head`` (the output head) on, on the device: its logits and the loss
+        over them (a log-softmax of the vocabulary's size, in float32), which backward reads first thing, so moving
+        them would spend transfers and host memory for no lower peak. Offloading resumes at the next forward of one
+        of ``models`` (the model that owns the head, called again in the same step) or at the step's end
+        (:meth:`pop`), wherever the loss is computed: in the model's forward or in the training step after it.
 
-        def enter(*_: Any) -> None:
-            self.paused += 1
+        Returns:
+            The hook handles.
+        """
 
-        def leave(*_: Any) -> None:
-            self.paused = max(0, self.paused - 1)
+        def pause(*_: Any) -> None:
+            self.paused = 1
 
-        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+        def resume(*_: Any) -> None:
+            self.paused = 0
+
+        return [head.register_forward_pre_hook(pause), *(m.register_forward_pre_hook(resume) for m in models)]
 
 
 def offloading_checkpoint(checkpoint_fn: Callable[..., Any], offloader: SavedTensorOffloader) -> Callable[..., Any]:
@@ -295,14 +304,20 @@ class ActivationOffloadRuntime:
         self._handles: List[Any] = []
         self._module: Optional[nn.Module] = None
 
-    def install(self, module: nn.Module, output_heads: Sequence[nn.Module] = ()) -> None:
-        """Act on ``module``: its parameters and buffers never move, nor do the activations saved inside
-        ``output_heads`` (the logits a loss reads right away; moving them costs more than it saves)."""
+    def install(self, module: nn.Module, output_heads: Sequence[Tuple[nn.Module, nn.Module]] = ()) -> None:
+        """Act on ``module``: its parameters and buffers never move, nor does what is saved from the call of an
+        output head on (the logits and the loss over them: :meth:`SavedTensorOffloader.pause_from`).
+
+        Args:
+            module: The module trained.
+            output_heads: ``(model, head)``: each transformers model and its output head.
+        """
         self._module = module
         self._refresh_skips()
         if self.all is not None:
-            for head in output_heads:
-                self._handles.extend(self.all.pause_in(head))
+            models = [model for model, _ in output_heads]
+            for _, head in output_heads:
+                self._handles.extend(self.all.pause_from(head, models))
 
     def wrap_checkpoint(self, checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
         """The checkpoint function a recompute engine should use: ``checkpoint_fn``, offloading each

@@ -190,7 +190,7 @@ def offload_runtime(model: nn.Module, **targets: str) -> Any:
         OffloadConfig(**targets), copy_on_host=True, min_offload_bytes=0, host_reserve_bytes=TOY_HOST_RESERVE_BYTES
     )
     runtime = ActivationOffloadRuntime(request, torch.device("cpu"))
-    runtime.install(model, output_heads=decoder_layers(model).output_heads())
+    runtime.install(model, output_heads=decoder_layers(model).models_and_heads())
     return runtime
 
 
