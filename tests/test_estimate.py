@@ -13,7 +13,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ALL_LINEARS, tiny_config, tiny_model
+from conftest import tiny_config, tiny_model
 
 import lightning_ac.estimate as estimate_module
 import lightning_ac.estimate.step as step_module
