@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -253,6 +254,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         "peak_activation_bytes": peak.activation_bytes if peak else None,
         "memory_source": peak.source if peak else None,
         "step_time_s": metrics.median_step_time,
+        # the CPU's reductions split their work by thread: the losses depend on the thread count too
+        "torch_threads": torch.get_num_threads(),
     }
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

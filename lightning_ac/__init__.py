@@ -20,6 +20,7 @@ from lightning_ac.selective import (
     register_preferred_save,
 )
 from lightning_ac.selfcheck import IncompatibleReleaseError, SelfCheckError
+from lightning_ac.train_mode import EvalModeError
 from lightning_ac.verify import OffloadVerificationError
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "ActivationOffload",
     "ConfigError",
+    "EvalModeError",
     "IncompatibleReleaseError",
     "LayerOffload",
     "LightningACWarning",

@@ -52,6 +52,7 @@ def test_default_run_trains_and_writes_summary(tmp_path):
     assert data["final_loss"] < data["first_loss"], "the loss goes down"
     assert data["peak_memory_bytes"] > 0 and data["peak_activation_bytes"] > 0
     assert data["step_time_s"] > 0
+    assert data["torch_threads"] >= 1, "the losses depend on it too"
     assert "loss" in result.stdout + result.stderr
     corpus = re.search(r"corpus: (\d+) characters, the docstrings of a fixed list of (\S+ \S+)'s", result.stdout)
     assert corpus and corpus[2] == f"{platform.python_implementation()} {platform.python_version()}"

@@ -8,8 +8,7 @@ import pytest
 import torch
 from conftest import LM, OpCounter, batches, clone, make_trainer, model_fingerprint, tiny_model
 
-from lightning_ac import ActivationCheckpointing, ActivationOffload
-from lightning_ac.train_mode import EvalModeError
+from lightning_ac import ActivationCheckpointing, ActivationOffload, EvalModeError
 
 
 def pretrained(tmp_path, lora: bool = False) -> torch.nn.Module:
