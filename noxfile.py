@@ -9,11 +9,15 @@ nox.options.default_venv_backend = "venv"
 
 # The test environment pins the CPU wheel of torch, which lies on the CI machines' disk; users keep their own.
 TORCH = "torch==2.13.0"
+# ... and caps the other packages at the newest releases tested (lightning_ac/_compat.py TESTED; tests/
+# test_compat.py checks that the two agree), so that a release published since does not change what the default run
+# tests: transformers 5.25.0 (2026-12) fails the torch.compile tests; `nox -s newest` is where new releases are tried.
+TESTED_NEWEST = ["transformers<=5.24.0", "peft<=0.21.2", "lightning<=2.6.6"]
 
 
 def _install(session: nox.Session, extra: str = "tests") -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extra}]")
+    session.install("-e", f".[{extra}]", *TESTED_NEWEST)
 
 
 @nox.session

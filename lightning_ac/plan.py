@@ -408,23 +408,15 @@ class Plan:
         - the memory budget counts what the step saves outside the decoder layers, while it measures (its step itself
           starts at ``on_train_batch_start``, as the memory measurements of the benchmark do: MemTracker's module
           hooks must see the wrapped module's whole forward under DDP);
-        - in verify mode, the reference pass runs first, on the same arguments;
-        - before any of it, the modules that act only in training mode are checked to be in it
-          (:mod:`lightning_ac.train_mode`).
+        - in verify mode, the reference pass runs first, on the same arguments.
         """
         module, runtime, verifier, budget = self.module, self.activation_offload, self.verifier, self.budget
-        needs_train_mode = any(self.recomputed) or self.chunked_loss is not None
-        if not _is_lightning_module(module) or not (runtime or verifier or budget or needs_train_mode):
+        if not _is_lightning_module(module) or (runtime is None and verifier is None and budget is None):
             return
         original = module.training_step
         trainer = self._trainer
-        layers = self.layers.modules if self.layers is not None else []
-        chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
-        noun = self.layers.noun if self.layers is not None else "decoder layers"
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            # what the budget chose is in self.recomputed (it may change from step to step)
-            check_train_mode(layers, self.recomputed, chunked_models, noun)
             if runtime is not None and not runtime.in_step:  # a closure an optimizer calls again (LBFGS): same step
                 runtime.start_step()
             if budget is not None:
@@ -439,6 +431,15 @@ class Plan:
             return step(*args, **kwargs)
 
         module.training_step = training_step  # type: ignore[method-assign]
+
+    def check_train_mode(self) -> None:
+        """At a training batch's start, before anything of the step runs: the modules that act only in training mode
+        are in it (:mod:`lightning_ac.train_mode`)."""
+        if self.layers is None or not self._fitting:
+            return
+        chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
+        # what the budget chose is in self.recomputed (it may change from step to step)
+        check_train_mode(self.layers.modules, self.recomputed, chunked_models, self.layers.noun)
 
     def _cache_off_for_the_run(self, layers: DecoderLayers) -> None:
         """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every

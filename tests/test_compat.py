@@ -154,3 +154,19 @@ def test_offload_selective_storage_speaks_both_sac_storage_layouts(layout):
     assert engine.last_step["selective"] == {"tensors": 2, "bytes": first.nbytes + second.nbytes}
     expected = _HostSlots if SAC_STORAGE_INDEXED else _HostQueue
     assert type(_HostStorage(engine)[torch.ops.aten.mm.default]) is expected
+
+
+def test_the_default_test_run_caps_the_packages_at_the_newest_releases_tested():
+    """noxfile.py's caps are TESTED's newest: the default run tests what lightning_ac says it was tested with."""
+    import ast
+    from pathlib import Path
+
+    from lightning_ac._compat import TESTED
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "noxfile.py").read_text())
+    caps = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TESTED_NEWEST"
+    )
+    assert sorted(caps) == sorted(f"{name}<={TESTED[name][1]}" for name in TESTED if name != "torch")

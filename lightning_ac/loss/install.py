@@ -291,8 +291,9 @@ def _check_logits(entry: _Model, call: _Call, logits: Any) -> None:
     the placeholder itself when the source does nothing to it, and a tensor made from it otherwise."""
     placeholder = call.placeholder
     assert placeholder is not None
-    made_from_it = torch.is_tensor(logits) and logits is not placeholder and logits.shape == placeholder.shape
-    if logits is placeholder if not entry.ops else made_from_it:
+    if not entry.ops and logits is placeholder:
+        return
+    if entry.ops and torch.is_tensor(logits) and logits is not placeholder and logits.shape == placeholder.shape:
         return
     raise RuntimeError(
         f"chunked_loss: the logits {type(entry.model).__name__}.forward passed to its loss are not what its source "
