@@ -254,8 +254,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         "peak_activation_bytes": peak.activation_bytes if peak else None,
         "memory_source": peak.source if peak else None,
         "step_time_s": metrics.median_step_time,
-        # the CPU's reductions split their work by thread: the losses depend on the thread count too
-        "torch_threads": torch.get_num_threads(),
+        # torch's CPU kernels are chosen by the vector instructions the CPU has (AVX2, AVX512...), and sum in another
+        # order on each: the losses depend on it as well as on the Python version (1 and 2 threads gave the same)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

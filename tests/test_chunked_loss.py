@@ -106,6 +106,16 @@ def test_bad_chunked_loss_names_the_field_the_value_and_the_fix(value, names):
         ActivationCheckpointing(chunked_loss=value)
 
 
+def test_the_docstring_says_what_true_means():
+    """LightningCLI's --help shows it: True is chunk_tokens: auto."""
+    doc = " ".join(ActivationCheckpointing.__doc__.split())
+    assert "1024 tokens" not in doc
+    assert (
+        "``True`` (``chunk_tokens: auto``: chunks whose logits hold as many elements as the final hidden states" in doc
+    )
+    assert parse_config({"chunked_loss": True}).chunked_loss.chunk_tokens == "auto"
+
+
 def test_enabled_false_without_chunked_loss_is_an_error():
     with pytest.raises(ConfigError, match="would do nothing. Pass chunked_loss=True"):
         ActivationCheckpointing(enabled=False)
