@@ -107,7 +107,7 @@ class SuiteCallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._plan is not None and self._plan.chunked_loss is not None:
-            self._plan.chunked_loss.explain(exception)
+            self._plan.chunked_loss.explain(exception, trainer.training)
         self._release(after_exception=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -438,6 +438,48 @@ def test_a_logit_scale_the_forward_applies_is_applied_to_every_chunk(family, ove
     assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})], steps=1), exact=False)
 
 
+def test_a_layout_change_of_the_logits_is_applied_too():
+    """OPT's head line ends in .contiguous() (Mamba's in .float()): values unchanged, and accepted."""
+    from lightning_ac.loss.source import logit_ops
+
+    base = tiny_model("opt", ffn_dim=128, word_embed_proj_dim=64, dropout=0.0)  # no dropout: two runs alike
+    assert logit_ops(base) == [("contiguous", None)]
+    plain = train(base, steps=1)
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})], steps=1)
+    assert_same(plain, run, exact=True)
+    assert run.logits == [None]
+
+
+def _scaled_inside_the_loss_block_model():
+    from transformers import LlamaForCausalLM
+
+    class ScaledInsideLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            loss = None
+            if labels is not None:
+                logits = logits * self.temperature
+                loss = self.loss_function(logits, labels, self.config.vocab_size)
+            return loss
+
+    return ScaledInsideLlama(tiny_config("llama"))
+
+
+def test_a_scale_inside_the_loss_block_is_read_and_one_that_trains_is_refused():
+    from lightning_ac.loss.source import logit_ops
+
+    model = _scaled_inside_the_loss_block_model()
+    model.temperature = 0.5
+    assert logit_ops(model) == [("mul", 0.5)]
+    model.temperature = torch.nn.Parameter(torch.tensor(0.5))  # it would never get its gradient
+    with pytest.raises(ConfigError, match=r"scales its logits by self.temperature, which is Parameter and trains"):
+        train(model, [ActivationCheckpointing(chunked_loss=True)], steps=1)
+    del model.temperature
+    with pytest.raises(ConfigError, match=r"reads self.temperature, which this model does not have"):
+        train(model, [ActivationCheckpointing(chunked_loss=True)], steps=1)
+
+
 def _sliced_vocabulary_model():
     from transformers import LlamaForCausalLM
 

@@ -670,7 +670,15 @@ def test_axolotls_published_measurement_is_reproduced():
 
 @pytest.mark.parametrize(
     "number, digits, written",
-    [(8_040_000_000, 2, "8.04 B"), (6_815_744, 1, "6.8 M"), (41_024, 1, "41.0 K"), (512, 1, "512"), (0, 1, "0")],
+    [
+        (8_040_000_000, 2, "8.04 B"),
+        (999_999_999, 2, "1.00 B"),
+        (6_815_744, 1, "6.8 M"),
+        (41_024, 1, "41.0 K"),
+        (999_960, 1, "1.0 M"),
+        (512, 1, "512"),
+        (0, 1, "0"),
+    ],
 )
 def test_parameter_counts_are_written_in_the_unit_that_says_something(number, digits, written):
     from lightning_ac.estimate.models import count

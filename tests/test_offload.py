@@ -146,6 +146,19 @@ def test_the_logits_and_the_loss_over_them_stay_on_device(transfer, module_cls, 
     assert [shape for shape in moved if shape[-1:] == (vocab,)] == []
 
 
+def test_a_head_called_outside_a_step_pauses_nothing_of_the_next():
+    """Validation calls the head too: the next training step offloads from its start."""
+    offloader = SavedTensorOffloader(TransferEngine(torch.device("cpu"), copy_on_host=True), "all")
+    head = torch.nn.Linear(2, 2)
+    handle = offloader.pause_from(head)
+    head(torch.ones(1, 2))  # a validation step
+    assert offloader.paused
+    offloader.push()
+    assert not offloader.paused
+    offloader.pop()
+    handle.remove()
+
+
 def test_lora_and_reentrant_with_hidden_states(transfer):
     base = tiny_model("llama", lora=True)
     reference = fit(clone(base))

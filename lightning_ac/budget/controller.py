@@ -352,13 +352,15 @@ class BudgetController:
         if not self._first_call:
             return
         self._first_call = False
-        tokens = int(self._agree([self.meter.note_tokens(args)])[0])
         self._shape = shape_of_work(function, args)
+        new_shape = self.figures is not None and self.phase == _SETTLED and self._shape not in self._calibrations
+        # every rank takes the same way: the largest token count, and a new shape of work if any rank sees one
+        tokens, new = self._agree([self.meter.note_tokens(args), float(new_shape)])
         if self.figures is None:
             return
         if tokens > self.tokens:
-            self._more_tokens(tokens, args)
-        elif self.phase == _SETTLED and self._shape not in self._calibrations:
+            self._more_tokens(int(tokens), args)
+        elif new:
             self._new_shape(function, args)
 
     def _new_shape(self, function: Callable[..., Any], args: tuple) -> None:

@@ -266,6 +266,6 @@ def describe(config: Any, model: nn.Module) -> str:
 def count(number: int, digits: int) -> str:
     """A count of parameters as people write it: ``8.04 B``, ``6.8 M``, ``41.0 K``, ``512``."""
     for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if number >= scale:
+        if round(number / scale, digits) >= 1:  # 999,999,999 is 1.00 B, not 1000.00 M
             return f"{number / scale:.{digits}f} {unit}"
     return str(number)

@@ -11,8 +11,8 @@ What a model's ``forward`` does between its head and its loss is read from its s
 (:mod:`lightning_ac.loss.source`): nothing, for most causal LMs; scales and ``tanh`` (Gemma's final-logit
 soft-capping, Granite's, Cohere's and HyperCLOVAX's logit scales), which the chunks apply the same way. Anything else
 (a sliced vocabulary...) is refused, naming what was found, rather than computed differently. At each chunked call,
-the logits that reach the loss must be what the head returned, changed by those operations alone (a forward hook on
-the head that changes them is caught there).
+the logits that reach the loss must be what the head returned where the source does nothing to them (a forward hook
+on the head that changes them is caught there), and a tensor of their shape where it changes them.
 """
 
 from __future__ import annotations
@@ -173,12 +173,13 @@ class ChunkedLoss:
                 else:
                     owner.__dict__[name] = previous
 
-    def explain(self, error: BaseException) -> None:
+    def explain(self, error: BaseException, training: bool) -> None:
         """Say, on an error that reads ``None`` as a tensor after a training forward returned ``logits=None`` (a
         step computing token accuracy from the logits, as TRL's SFT does), what happened and what to do: a note on the
         error (printed with its traceback) and a log line."""
         if (
-            not self._without_logits
+            not training  # a later validation error is not about the training forwards' logits
+            or not self._without_logits
             or not isinstance(error, (AttributeError, TypeError))
             or "NoneType" not in str(error)
         ):
@@ -245,7 +246,7 @@ class ChunkedLoss:
             _check_logits(entry, call, logits)
             hidden = call.hidden
             given = kwargs.get("shift_labels")
-            if (given if given is not None else labels).shape != hidden.shape[:-1]:
+            if (given if given is not None else labels).numel() != hidden.shape[:-1].numel():
                 # labels that do not pair with the positions the head saw (logits_to_keep): the model's own loss
                 # says what is wrong (or computes what it computes)
                 return standard(apply_logit_ops(head_forward(hidden), entry.ops), labels, vocab_size, **kwargs)
@@ -287,13 +288,15 @@ class ChunkedLoss:
 
 
 def _check_logits(entry: _Model, call: _Call, logits: Any) -> None:
-    """The logits that reach the loss are the head's output changed by what the forward's source says, nothing else:
-    the placeholder itself when the source does nothing to it, and a tensor made from it otherwise."""
+    """The logits that reach the loss are the head's output: the placeholder itself where the forward's source does
+    nothing to it (so a forward hook on the head that changes it is caught), a tensor of its shape where the source
+    changes it (there the check cannot tell the source's changes from a hook's)."""
     placeholder = call.placeholder
     assert placeholder is not None
     if not entry.ops and logits is placeholder:
         return
-    if entry.ops and torch.is_tensor(logits) and logits is not placeholder and logits.shape == placeholder.shape:
+    # .float() of float32 logits, .contiguous(): the placeholder itself
+    if entry.ops and torch.is_tensor(logits) and logits.shape == placeholder.shape:
         return
     raise RuntimeError(
         f"chunked_loss: the logits {type(entry.model).__name__}.forward passed to its loss are not what its source "

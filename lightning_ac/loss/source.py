@@ -3,10 +3,12 @@
 The chunked loss computes each chunk's logits with the model's head and must then do to them what the model does
 before its loss: most models nothing, Gemma's soft-capping (``logits / cap``, ``tanh``, ``* cap``), Granite's
 ``logits / logits_scaling``, a scale written on the head's own line (HyperCLOVAX's ``* logits_scaling``, Falcon-H1's
-``* lm_head_multiplier``). The statements from the head's call to the loss's call are read as a tree, not as lines:
-each must be an elementwise scale or ``tanh`` of the head's output by a number or a ``self.`` attribute (read from
-the model at install), a guard ``if <attribute> is not None:`` around such statements, or ``loss = None``; and the
-loss must be called with the variable that holds the result. Anything else is refused, naming the statement.
+``* lm_head_multiplier``), an upcast or a layout change (OPT's ``.contiguous()``, Mamba's ``.float()``). The
+statements from the head's call to the loss's call are read as a tree, not as lines: each must be an elementwise
+scale of the head's output by a number or a ``self.`` attribute that holds one (read from the model at install),
+``tanh``, ``.float()`` or ``.contiguous()``, a guard ``if <attribute> is not None:`` around such statements, or
+``loss = None``; and the loss must be called with the variable that holds the result. Anything else is refused,
+naming the statement.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from torch import nn
 
 __all__ = ["LogitOp", "SourceError", "apply_logit_ops", "head_name", "logit_ops"]
 
-# ("mul" | "div", value) or ("tanh", None), applied in order to the head's output
+# ("mul" | "div", value), or ("tanh" | "float" | "contiguous", None), applied in order to the head's output
 LogitOp = Tuple[str, Any]
+# Methods a forward may call on the logits without changing their values: an upcast (the chunks upcast to float32 for
+# the loss anyway, as transformers' loss does) and a layout change.
+_METHODS = ("float", "contiguous")
 
 
 class SourceError(ValueError):
@@ -36,8 +41,12 @@ def apply_logit_ops(logits: torch.Tensor, ops: Sequence[LogitOp]) -> torch.Tenso
             logits = logits * value
         elif op == "div":
             logits = logits / value
-        else:
+        elif op == "tanh":
             logits = torch.tanh(logits)
+        elif op == "float":
+            logits = logits.float()
+        else:
+            logits = logits.contiguous()
     return logits
 
 
@@ -72,7 +81,7 @@ def logit_ops(model: nn.Module) -> List[LogitOp]:
     variable, ops = reader.head(body[head_at])
     for statement in body[head_at + 1 : loss_at]:
         ops += reader.statement(statement, variable)
-    reader.loss(body[loss_at], variable)
+    ops += reader.loss(body[loss_at], variable)
     return ops
 
 
@@ -87,17 +96,32 @@ class _Reader:
     def refuse(self, node: ast.AST) -> SourceError:
         return SourceError(f"its forward does `{ast.unparse(node)}` between its head and its loss")
 
-    def value(self, node: ast.AST, statement: ast.AST) -> Any:
-        """A number, or a ``self.a.b`` attribute read from the model now."""
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+    def read(self, node: ast.AST, statement: ast.AST) -> Any:
+        """A constant, or a ``self.a.b`` attribute read from the model now."""
+        if isinstance(node, ast.Constant):
             return node.value
         path = ast.unparse(node).split(".")
         if path[0] != "self" or len(path) < 2 or not all(p.isidentifier() for p in path):
             raise self.refuse(statement)
         value: Any = self.model
         for part in path[1:]:
+            if not hasattr(value, part):
+                raise SourceError(f"its forward reads {ast.unparse(node)}, which this model does not have")
             value = getattr(value, part)
         return value
+
+    def value(self, node: ast.AST, statement: ast.AST) -> Any:
+        """A scale: a number (or a tensor that does not train: the chunks give gradients to the head's parameters
+        alone, so a trained scale would never get its own)."""
+        value = self.read(node, statement)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number or (isinstance(value, torch.Tensor) and not value.requires_grad):
+            return value
+        raise SourceError(
+            f"its forward scales its logits by {ast.unparse(node)}, which is {type(value).__name__}"
+            + (" and trains" if isinstance(value, torch.Tensor) else "")
+            + ", not a number"
+        )
 
     def head(self, statement: ast.stmt) -> Tuple[str, List[LogitOp]]:
         """``x = self.head(...)``, or with one scale: ``x = self.head(...) * s`` (``/ s``, ``s * self.head(...)``)."""
@@ -106,17 +130,31 @@ class _Reader:
         target, value = statement.targets[0], statement.value
         if not isinstance(target, ast.Name):
             raise self.refuse(statement)
-        if self._is_head(value):
-            return target.id, []
-        if isinstance(value, ast.BinOp):
-            if self._is_head(value.left) and isinstance(value.op, (ast.Mult, ast.Div)):
-                return target.id, [("mul" if isinstance(value.op, ast.Mult) else "div", self.value(value.right, value))]
-            if self._is_head(value.right) and isinstance(value.op, ast.Mult):
-                return target.id, [("mul", self.value(value.left, value))]
+        ops = self._head_call(value)
+        if ops is not None:
+            return target.id, ops
+        if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
+            ops = self._head_call(value.left)
+            if ops is not None:
+                return target.id, [
+                    *ops,
+                    ("mul" if isinstance(value.op, ast.Mult) else "div", self.value(value.right, value)),
+                ]
+            ops = self._head_call(value.right)
+            if ops is not None and isinstance(value.op, ast.Mult):
+                return target.id, [*ops, ("mul", self.value(value.left, value))]
         raise self.refuse(statement)
 
-    def _is_head(self, node: ast.AST) -> bool:
-        return isinstance(node, ast.Call) and ast.unparse(node.func) == self.head_call
+    def _head_call(self, node: ast.AST) -> Optional[List[LogitOp]]:
+        """``self.head(...)``, or with methods that keep its values (``.float()``, ``.contiguous()``) called on it:
+        those methods as ops; ``None`` for anything else."""
+        ops: List[LogitOp] = []
+        while _is_method(node, _METHODS):
+            ops.insert(0, (node.func.attr, None))  # type: ignore[attr-defined]
+            node = node.func.value  # type: ignore[attr-defined]
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == self.head_call:
+            return ops
+        return None
 
     def statement(self, statement: ast.stmt, variable: str) -> List[LogitOp]:
         if isinstance(statement, ast.Assign) and ast.unparse(statement) == "loss = None":
@@ -132,7 +170,7 @@ class _Reader:
             )
             if not is_not_none:
                 raise self.refuse(statement)
-            if self.value(test.left, statement) is None:  # type: ignore[union-attr]
+            if self.read(test.left, statement) is None:  # type: ignore[union-attr]
                 return []
             return [op for inner in statement.body for op in self.statement(inner, variable)]
         if not (
@@ -156,10 +194,21 @@ class _Reader:
             and is_variable(value.args[0])
         ):
             return [("tanh", None)]
+        if _is_method(value, _METHODS) and is_variable(value.func.value):  # type: ignore[attr-defined]
+            return [(value.func.attr, None)]  # type: ignore[attr-defined]
         raise self.refuse(statement)
 
-    def loss(self, statement: ast.stmt, variable: str) -> None:
-        """The loss is called with the variable that holds the head's output (first argument, or ``logits=``)."""
+    def loss(self, statement: ast.stmt, variable: str) -> List[LogitOp]:
+        """The loss is called with the variable that holds the head's output (first argument, or ``logits=``); in the
+        ``if`` that holds the call (``if labels is not None:``), what comes before it is read like the statements
+        before the ``if``. Returns the ops read there."""
+        ops: List[LogitOp] = []
+        if isinstance(statement, ast.If):
+            for inner in statement.body:
+                if _calls(inner, "self.loss_function"):
+                    statement = inner
+                    break
+                ops += self.statement(inner, variable)
         call = next(
             n for n in ast.walk(statement) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.loss_function"
         )
@@ -168,3 +217,15 @@ class _Reader:
             raise SourceError(
                 f"its forward calls `{ast.unparse(call)}` with something other than its head's output ({variable})"
             )
+        return ops
+
+
+def _is_method(node: ast.AST, names: Sequence[str]) -> bool:
+    """``<something>.name()`` for one of ``names``, without arguments."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in names
+        and not node.args
+        and not node.keywords
+    )

@@ -73,6 +73,7 @@ class SavedTensorOffloader:
 
     def push(self) -> None:
         """Enter the hooks until :meth:`pop` (a training step spans several Lightning hooks)."""
+        self.paused = 0  # a head called outside the step (validation) paused nothing of this one
         if self._active is None:
             self._active = self.hooks()
             self._active.__enter__()
@@ -83,24 +84,29 @@ class SavedTensorOffloader:
             active, self._active = self._active, None
             active.__exit__(None, None, None)
 
-    def pause_from(self, head: nn.Module, models: Sequence[nn.Module]) -> List[Any]:
+    def pause_from(self, head: nn.Module) -> Any:
         """Keep what is saved from the call of ``head`` (the output head) on, on the device: its logits and the loss
         over them (a log-softmax of the vocabulary's size, in float32), which backward reads first thing, so moving
-        them would spend transfers and host memory for no lower peak. Offloading resumes at the next forward of one
-        of ``models`` (the model that owns the head, called again in the same step) or at the step's end
-        (:meth:`pop`), wherever the loss is computed: in the model's forward or in the training step after it.
+        them would spend transfers and host memory for no lower peak; wherever the loss is computed, in the model's
+        forward or in the training step after it. Offloading resumes at :meth:`resume_at` or the step's end.
 
         Returns:
-            The hook handles.
+            The hook's handle.
         """
 
         def pause(*_: Any) -> None:
             self.paused = 1
 
+        return head.register_forward_pre_hook(pause)
+
+    def resume_at(self, module: nn.Module) -> Any:
+        """Offload again from the next forward of ``module`` on (a model called again in the same step after its
+        head: a second forward, a reference model). Returns the hook's handle."""
+
         def resume(*_: Any) -> None:
             self.paused = 0
 
-        return [head.register_forward_pre_hook(pause), *(m.register_forward_pre_hook(resume) for m in models)]
+        return module.register_forward_pre_hook(resume)
 
 
 def offloading_checkpoint(checkpoint_fn: Callable[..., Any], offloader: SavedTensorOffloader) -> Callable[..., Any]:
@@ -315,9 +321,8 @@ class ActivationOffloadRuntime:
         self._module = module
         self._refresh_skips()
         if self.all is not None:
-            models = [model for model, _ in output_heads]
-            for _, head in output_heads:
-                self._handles.extend(self.all.pause_from(head, models))
+            self._handles += [self.all.pause_from(head) for _, head in output_heads]
+            self._handles += [self.all.resume_at(model) for model, _ in output_heads]
 
     def wrap_checkpoint(self, checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
         """The checkpoint function a recompute engine should use: ``checkpoint_fn``, offloading each
