@@ -205,8 +205,14 @@ def test_full_matches_off_loss_and_saves_memory(tmp_path):
     [
         # Each option's block is checked without a run (test_config, test_offload); here one offload mode runs
         # through the job in the default session (the nested-group case), the others in the slow session
-        pytest.param(["activation_checkpointing=offload_all"], {"all": True}, marks=pytest.mark.slow),
-        pytest.param(["activation_checkpointing=offload_only"], {"all": True}, marks=pytest.mark.slow),
+        # (offload.all: at 256 tokens each layer's input is 128 KiB, over min_offload_bytes; the head's logits and the
+        # loss over them, the largest saved tensors, stay on the device)
+        pytest.param(
+            ["activation_checkpointing=offload_all", "data.seq_len=256"], {"all": True}, marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["activation_checkpointing=offload_only", "data.seq_len=256"], {"all": True}, marks=pytest.mark.slow
+        ),
         pytest.param(["activation_checkpointing=offload_hidden"], {"hidden_states": True}, marks=pytest.mark.slow),
         pytest.param(
             ["activation_checkpointing=offload_hidden_selective"],
