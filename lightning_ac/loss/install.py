@@ -133,7 +133,8 @@ class ChunkedLoss:
             raise ConfigError(
                 f"activation_checkpointing.chunked_loss: {name}.forward cannot be reproduced a chunk at a time: {err}. "
                 "The chunked loss reproduces a plain head and, between the head and the loss, scales by a number or a "
-                f"self. attribute and tanh (Gemma's soft-capping, Granite's and Cohere's logit scales). {fix}"
+                "self. attribute that holds one, tanh, .float() and .contiguous() (Gemma's soft-capping, Granite's and "
+                f"Cohere's logit scales). {fix}"
             ) from None
 
     @property
