@@ -79,7 +79,6 @@ class SavedTensorOffloader:
             self._active.__enter__()
 
     def pop(self) -> None:
-        self.paused = 0
         if self._active is not None:
             active, self._active = self._active, None
             active.__exit__(None, None, None)
