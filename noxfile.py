@@ -1,4 +1,4 @@
-"""Sessions: tests (default), lint, train, slow, gpu, bench, mutants. `nox -l` lists them."""
+"""Sessions: tests (default), lint, docs, train, slow, gpu, bench, mutants. `nox -l` lists them."""
 
 import os
 
@@ -79,7 +79,8 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def mutants(session: nox.Session) -> None:
-    """Remove each synchronisation point of the copy engines in turn; every mutant must fail a simulated test."""
+    """The mutation check (tests/mutants.py): each sync point of the copy engines removed, and the listed bugs of the
+    chunked loss, the budget, its measurement and the estimator put in, one at a time; a default test must fail."""
     _install(session)
     session.run("python", "tests/mutants.py", *session.posargs)
 
@@ -89,6 +90,13 @@ def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", "lightning_ac", "examples", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "lightning_ac", "examples", "tests", "noxfile.py")
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (docs/, the API reference from the docstrings) into site/; any warning fails."""
+    _install(session, "docs")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(default=False)
