@@ -102,3 +102,14 @@ def test_every_example_is_found() -> None:
     """The pattern sees the fences the pages use: a page whose example it missed would pass untested."""
     fences = sum(len(re.findall(r"^```(?:python|yaml)$", page.read_text(), re.M)) for page in PAGES)
     assert fences == len(examples("python")) + len(examples("yaml"))
+
+
+def _mode_table(page: Path) -> str:
+    text = page.read_text()
+    start = text.index("| you need | use | what it costs |")
+    return text[start : text.index("\n\n", start)]
+
+
+def test_the_readme_mode_table_is_the_manuals() -> None:
+    """The front door repeats one table of the manual's home page: the two must not drift apart."""
+    assert _mode_table(ROOT / "README.md") == _mode_table(ROOT / "docs" / "index.md")
