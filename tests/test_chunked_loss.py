@@ -43,6 +43,19 @@ class StepsLM(LM):
         self.step_grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None})
 
 
+class ChunksRan(pl.Callback):
+    """After each step: how many training forwards the chunked loss computed so far, and its last (tokens a chunk,
+    tokens). A model whose loss silently fell back to whole logits shows no chunked call."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        suite = next(cb for cb in trainer.callbacks if isinstance(cb, ActivationCheckpointing))
+        chunked = suite.plan.chunked_loss
+        self.seen.append((chunked.chunked_calls, chunked.last_chunks) if chunked is not None else None)
+
+
 def batches(steps: int = 2, vocab: int = VOCAB, seq: int = SEQ, seed: int = 1) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(seed)
     data = [(torch.randint(0, vocab, (BATCH, seq), generator=g),) for _ in range(steps)]
@@ -265,8 +278,12 @@ def test_with_enabled_false_it_recomputes_nothing(llama, llama_off, caplog):
 def test_models(family, overrides, lora):
     base = tiny_model(family, lora=lora, **overrides)
     plain = train(base)
-    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})]), exact=True)
-    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})]), exact=False)
+    for tokens, exact in ((TOKENS, True), (5, False)):
+        chunks = ChunksRan()
+        run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": tokens}), chunks])
+        assert_same(plain, run, exact=exact)
+        assert chunks.seen == [(1, (tokens, TOKENS)), (2, (tokens, TOKENS))], "every step's loss ran in chunks"
+        assert run.logits == [None, None]
 
 
 def _trained_head_model():
@@ -293,7 +310,9 @@ def test_a_trainable_lm_head_in_peft_modules_to_save():
     model = _trained_head_model()
     plain = train(model)
     assert any("modules_to_save" in name and "lm_head" in name for name in plain.step_grads[0])
-    assert_same(plain, train(model, [ActivationCheckpointing(chunked_loss=True)]), exact=False)
+    chunks = ChunksRan()
+    assert_same(plain, train(model, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}), chunks]), exact=False)
+    assert chunks.seen == [(1, (5, TOKENS)), (2, (5, TOKENS))]
 
 
 @pytest.mark.parametrize(
@@ -436,7 +455,10 @@ def test_a_logit_scale_the_forward_applies_is_applied_to_every_chunk(family, ove
     assert_same(plain, run, exact=exact)
     assert run.losses == plain.losses
     assert run.logits == [None], "the loss was chunked"
-    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5})], steps=1), exact=False)
+    chunks = ChunksRan()
+    assert_same(plain, train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": 5}), chunks], steps=1),
+                exact=False)  # fmt: skip
+    assert chunks.seen == [(1, (5, TOKENS))]
 
 
 def test_a_layout_change_of_the_logits_is_applied_too():
@@ -446,9 +468,10 @@ def test_a_layout_change_of_the_logits_is_applied_too():
     base = tiny_model("opt", ffn_dim=128, word_embed_proj_dim=64, dropout=0.0)  # no dropout: two runs alike
     assert logit_ops(base) == [("contiguous", None)]
     plain = train(base, steps=1)
-    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS})], steps=1)
+    chunks = ChunksRan()  # one chunk: OPT's key-bias gradients are float noise around 0, compared bit for bit
+    run = train(base, [ActivationCheckpointing(chunked_loss={"chunk_tokens": TOKENS}), chunks], steps=1)
     assert_same(plain, run, exact=True)
-    assert run.logits == [None]
+    assert run.logits == [None] and chunks.seen == [(1, (TOKENS, TOKENS))]
 
 
 def _scaled_inside_the_loss_block_model():

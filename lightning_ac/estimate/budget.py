@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning.pytorch as pl
 import torch
 
-from lightning_ac.estimate.fit import CONTEXT_BYTES, FRAGMENTATION
+from lightning_ac.estimate.fit import CONTEXT_BYTES, FRAGMENTATION, margin_bytes
 from lightning_ac.estimate.models import Training
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
@@ -96,9 +96,16 @@ def budget_mode(name: str, block: Optional[Dict[str, Any]] = None) -> Mode:
 
 
 def usable_bytes(device_memory: int) -> int:
-    """What a device of ``device_memory`` bytes leaves for allocated bytes, after the assumed margin (the inverse of
-    :func:`lightning_ac.estimate.fit.fits`)."""
-    return int((device_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))
+    """What a device of ``device_memory`` bytes leaves for allocated bytes, after the assumed margin: the most
+    allocated bytes that :func:`lightning_ac.estimate.fit.fits` says fit it (its inverse, to the byte)."""
+    # dividing by 1 + FRAGMENTATION lands within a byte or two: the margin's proportional part is rounded down, so a
+    # byte or two more may fit; the margin itself settles it
+    total = int((device_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))
+    while total + 1 + margin_bytes(total + 1) <= device_memory:
+        total += 1
+    while total + margin_bytes(total) > device_memory:
+        total -= 1
+    return total
 
 
 @dataclass

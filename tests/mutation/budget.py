@@ -1,0 +1,139 @@
+"""Behaviour mutants of budget (the choice and the controller): see :mod:`tests.mutation`."""
+
+from __future__ import annotations
+
+from typing import List
+
+from mutation import Equivalent, Mutant
+
+CHOICE = "lightning_ac/budget/choice.py"
+CONTROLLER = "lightning_ac/budget/controller.py"
+T = "tests/test_budget.py::"
+C = "tests/test_budget_controller.py::"
+
+MUTANTS: List[Mutant] = [
+    # -- choice.py: the exact per-layer choice
+    Mutant(
+        CHOICE,
+        "working = self.input_bytes + self.saved_bytes - min(self.input_saved_bytes, self.input_bytes)",
+        "working = self.input_bytes + self.saved_bytes",
+        "a recomputed layer that saves its input counts it twice: more recompute than needed, or nothing fits",
+        (T + "test_a_recomputed_layer_that_saves_its_input_holds_it_once",),
+    ),
+    Mutant(
+        CHOICE,
+        "kept = [kept[int(i * step)] for i in range(MAX_STATES - 1)] + [kept[-1]]",
+        "kept = [kept[int(i * step)] for i in range(MAX_STATES)]",
+        "thinning the ways of unlike layers drops the fastest: more recompute than the optimum",
+        (T + "test_thinning_the_ways_keeps_the_least_held_and_the_fastest",),
+    ),
+    Mutant(
+        CHOICE,
+        "for held, seconds, chosen in ways if held + head_bytes <= budget_bytes]",
+        "for held, seconds, chosen in ways if held <= budget_bytes]",
+        "the output head's backward is left out of the choice: over the budget at the head",
+        (T + "test_the_output_head_runs_its_backward_with_every_layers_bytes_held",),
+    ),
+    Mutant(
+        CHOICE,
+        "if held + working <= budget_bytes",
+        "if held + working < budget_bytes",
+        "a layer whose backward peaks exactly at the budget is taken for over it: more recompute",
+        (T + "test_a_recomputed_layer_that_saves_its_input_holds_it_once",),
+    ),
+    Mutant(
+        CHOICE,
+        "(held + layer_held, seconds + layer_seconds, chosen + (choice,))",
+        "(held + working, seconds + layer_seconds, chosen + (choice,))",
+        "each layer is taken to hold its whole working set until backward: far more recompute than needed",
+        (T + "test_the_output_head_runs_its_backward_with_every_layers_bytes_held",),
+    ),
+    Mutant(
+        CHOICE,
+        "peak = max(peak, held + working)",
+        "peak = max(peak, working)",
+        "the estimated peak forgets what earlier layers hold: keeping everything is said to fit when it does not",
+        (T + "test_the_peak_is_taken_where_it_happens_not_as_a_sum",),
+    ),
+    Mutant(
+        CHOICE,
+        "and self.selective_seconds < self.recompute_seconds",
+        "and self.selective_seconds <= self.recompute_seconds",
+        "the save rules are chosen where they measured no faster than a whole recompute",
+        (T + "test_selective_is_offered_only_where_it_measured_faster_than_recompute",),
+    ),
+    # -- controller.py: the closed loop
+    Mutant(
+        CONTROLLER,
+        "self._calibrations[self._shape] = peak",
+        "self._calibrations[None] = peak",
+        "one calibration for every shape of work: an unpadded step lowers it and padded batches go over",
+        (C + "test_the_calibration_is_kept_per_shape_of_work_and_the_plan_fits_the_largest",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "self.calibration = max(self._calibrations.values())",
+        "self.calibration = self._calibrations[self._shape]",
+        "the calibration of the last step's shape of work, not the largest: padded batches go over",
+        (C + "test_the_calibration_is_kept_per_shape_of_work_and_the_plan_fits_the_largest",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "best = min(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)",
+        "best = max(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)",
+        "the fallback settles on the slowest choice measured under the budget",
+        (C + "test_spent_corrections_fall_back_to_the_fastest_choice_measured_under_the_budget",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "best = min(under, key=lambda c: self._estimate(c, 0)[1]) if under else tuple(everything)",
+        "best = under[-1] if under else tuple(everything)",
+        "the fallback settles on the last choice measured under the budget, not the fastest",
+        (C + "test_spent_corrections_fall_back_to_the_fastest_choice_measured_under_the_budget",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "self.measured_peak = self._measured.get(best)",
+        "pass",
+        "the fallback's settled plan reports the last step's peak, not its own",
+        (C + "test_spent_corrections_fall_back_to_the_fastest_choice_measured_under_the_budget",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "if over and not first:\n            self._over.add(tuple(choices))",
+        "if over:\n            self._over.add(tuple(choices))",
+        "a first real step over the budget bans its choice for the run: a layer more recomputed for good",
+        (C + "test_a_first_real_step_over_the_budget_is_not_held_against_its_choice",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "if over and choices == everything and not first:",
+        "if over and choices == everything:",
+        "a measuring step over the budget settles on recomputing every layer for the run",
+        (C + "test_a_measuring_step_over_the_budget_with_every_layer_recomputed_does_not_settle_there",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "+ (int(SLACK * budget) if over else 0)",
+        "+ 0",
+        "a correction aims right at the budget: the next step's noise crosses it again",
+        (C + "test_a_correction_aims_a_slack_below_the_budget",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "over = peak > budget",
+        "over = peak >= budget",
+        "a step whose peak is exactly the budget is corrected: more recompute",
+        (C + "test_a_peak_exactly_at_the_budget_fits",),
+    ),
+    Mutant(
+        CONTROLLER,
+        "self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these\n"
+        "        self.corrections = 0",
+        "self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these",
+        "a new shape of work after spent corrections settles at once on every layer recomputed",
+        (C + "test_a_new_shape_of_work_gets_corrections_of_its_own",),
+    ),
+]
+
+EQUIVALENT: List[Equivalent] = []
