@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import clone, fit, tiny_model
 
-import lightning_ac.config
+import lightning_ac.config.block
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LayerOffload, callbacks_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,13 +118,13 @@ def test_modules_import_in_dependency_order():
 @pytest.fixture
 def parse_count(monkeypatch):
     calls = []
-    original = lightning_ac.config._parse_block
+    original = lightning_ac.config.block._parse_block
 
     def counting(value):
         calls.append(value)
         return original(value)
 
-    monkeypatch.setattr(lightning_ac.config, "_parse_block", counting)
+    monkeypatch.setattr(lightning_ac.config.block, "_parse_block", counting)
     return calls
 
 

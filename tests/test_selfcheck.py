@@ -513,11 +513,11 @@ def test_importing_next_to_an_older_torch_fails_naming_the_floor():
 
 
 def test_the_users_block_is_still_parsed_once_on_an_untested_release(monkeypatch):
-    import lightning_ac.config
+    import lightning_ac.config.block
 
     calls = []
-    original = lightning_ac.config._parse_block
-    monkeypatch.setattr(lightning_ac.config, "_parse_block", lambda value: calls.append(value) or original(value))
+    original = lightning_ac.config.block._parse_block
+    monkeypatch.setattr(lightning_ac.config.block, "_parse_block", lambda value: calls.append(value) or original(value))
     _pretend(monkeypatch, torch=UNTESTED_TORCH)
     fit(clone(tiny_model("llama")), _suite())
     assert len(calls) == 1 and {feature for feature, _ in selfcheck._passed} >= {"selective", "offload.selective"}
