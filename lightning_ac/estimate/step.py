@@ -293,9 +293,9 @@ def mode_callbacks(mode: Mode, layers: int) -> List[Callback]:
 def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = "auto") -> pl.Trainer:
     """A CPU Trainer that trains ``max_steps`` steps with ``callbacks`` and nothing else (no logger, checkpoints,
     progress bar or summary); the user's ``PL_TRAINER_*`` variables are not its defaults."""
-    from lightning_ac.callbacks import _without_trainer_environment
+    from lightning_ac.private_trainer import without_trainer_environment
 
-    with _without_trainer_environment():
+    with without_trainer_environment():
         return pl.Trainer(
             accelerator="cpu",
             devices=1,
