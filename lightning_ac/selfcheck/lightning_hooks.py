@@ -10,12 +10,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import lightning_ac.selfcheck as selfcheck
 from lightning_ac.callbacks.activation_offload import ActivationOffload
 from lightning_ac.callbacks.base import SuiteCallback
 from lightning_ac.callbacks.checkpointing import ActivationCheckpointing
 from lightning_ac.callbacks.layer_offload import LayerOffload
 from lightning_ac.private_trainer import lightning_quiet, without_trainer_environment
+from lightning_ac.release_gate import register
+from lightning_ac.selfcheck.verdict import SelfCheckFailed
 
 __all__ = []
 
@@ -130,26 +131,26 @@ def _check_lightning_hooks(others: Any) -> None:
                 continue
             theirs = getattr(Callback, name, None)
             if theirs is None:
-                raise selfcheck.SelfCheckFailed(
+                raise SelfCheckFailed(
                     f"lightning's Callback has no {name} hook, which {cls.__name__}.{name} implements"
                 )
             expected = list(inspect.signature(theirs).parameters)
             if len(inspect.signature(ours).parameters) != len(expected):
-                raise selfcheck.SelfCheckFailed(f"lightning's Callback.{name} now takes ({', '.join(expected)})")
+                raise SelfCheckFailed(f"lightning's Callback.{name} now takes ({', '.join(expected)})")
     with lightning_quiet():
         calls, failing = _probe_fit(fail=False), _probe_fit(fail=True)
     if calls != list(_FIT_ORDER):
-        raise selfcheck.SelfCheckFailed(
+        raise SelfCheckFailed(
             f"a one-step fit called {', '.join(calls)}, where the suite callbacks rely on {', '.join(_FIT_ORDER)}"
         )
     if "on_exception" not in failing or "teardown" in failing:
-        raise selfcheck.SelfCheckFailed(
+        raise SelfCheckFailed(
             f"a fit whose step raised called {', '.join(failing)}: the suite callbacks remove what they installed in "
             "on_exception, which Lightning calls there instead of teardown"
         )
 
 
-selfcheck.register(
+register(
     "callbacks",
     ("lightning",),
     None,

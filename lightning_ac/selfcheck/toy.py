@@ -148,7 +148,7 @@ def checkpointed(
     reentrant: Optional[bool] = None,
     layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
 ) -> Any:
-    """Checkpoint ``model``'s layers as the plan does (:meth:`lightning_ac.plan.Plan._install_recompute`): the
+    """Checkpoint ``model``'s layers as the plan does (:func:`lightning_ac.plan.recompute.install_recompute`): the
     recompute engine, a selective policy saving attention, the offload runtime's checkpoint function and storage, or
     a checkpoint function per layer (the memory budget's switches). Returns the policy, if any."""
     from torch.utils.checkpoint import checkpoint
