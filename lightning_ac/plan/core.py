@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 import lightning_ac.release_gate as release_gate
-from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget import BudgetController, Choice
 from lightning_ac.checkpoint.forward import TORCH_ATTRIBUTES
 from lightning_ac.checkpoint.hf import HF_ATTRIBUTES
@@ -32,8 +32,8 @@ from lightning_ac.offload.weights import LayerWeightStreamer
 from lightning_ac.plan.layer_table import layer_rows
 from lightning_ac.plan.layers_found import no_layers_error
 from lightning_ac.plan.recompute import Recompute, cache_off_for_the_run, describe_recompute, install_recompute
-from lightning_ac.plan.strategy import check_strategy, resolve_reentrant
-from lightning_ac.plan.training_step import wrap_training_step
+from lightning_ac.plan.strategy import check_strategy, offload_wanted, resolve_reentrant
+from lightning_ac.plan.training_step import transferred, verifier_for, wrap_training_step
 from lightning_ac.plan.weights import DDP_IGNORE, log_weight_streamer, share_streamed_weights, weight_streamer_for
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
@@ -134,7 +134,7 @@ class Plan:
         self._fitting = trainer.state.fn == "fit"
         self._trainer = trainer
         self._stage = str(trainer.state.fn.value if trainer.state.fn is not None else "run")
-        self._offload_here = self._offload_wanted()
+        self._offload_here = offload_wanted(self.activation_offload_request, self.device)
         self._check_releases()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
             if not self._offload_here and not self._chunked_loss_here:
@@ -186,26 +186,6 @@ class Plan:
 
         module.configure_model = configure_model_then_apply  # type: ignore[method-assign]
         self._deferred = True
-
-    def _offload_wanted(self) -> bool:
-        """Whether any offload target is set and can do something on this device."""
-        request = self.activation_offload_request
-        if request is None:
-            return False
-        if not request.offload.targets:
-            rank_zero_warn(
-                "ActivationOffload() has no target, so nothing is offloaded. Pass hidden_states='cpu', selective='cpu' "
-                "or all='cpu' (Hydra: activation_checkpointing.offload.<target>: cpu), or remove the callback."
-            )
-            return False
-        if self.device is not None and self.device.type == "cpu" and not request.copy_on_host:
-            rank_zero_info(
-                "activation offloading does nothing on a CPU-only trainer (the activations already live in host "
-                "memory); to force the copies, for tests and debugging, pass ActivationOffload(copy_on_host=True) "
-                "(Hydra: offload_copy_on_host=true)"
-            )
-            return False
-        return True
 
     def _apply_to(self, layers: DecoderLayers) -> None:
         assert self.module is not None and self.device is not None
@@ -292,18 +272,9 @@ class Plan:
     def _install_verifier(self) -> None:
         """Verify mode, when a request asks for it and something is transferred in this run."""
         requests = [r for r in (self.activation_offload_request, self.layer_offload_request) if r is not None]
-        steps = max((r.verify_steps for r in requests), default=0)
-        if not steps or not self._fitting:
-            return
-        targets = [f"offload.{t}" for t in self.activation_offload.targets] if self.activation_offload else []
-        targets += ["layer offloading"] if self.weight_streamer is not None else []
-        if not targets:
-            rank_zero_info("verify mode: nothing is transferred in this run, so there is nothing to verify")
-            return
-        assert self.module is not None
-        StepVerifier.check(self._trainer, self.module)
-        atol = max(r.verify_atol for r in requests)
-        self.verifier = StepVerifier(steps, atol, targets, self._reset_engines)
+        if self._fitting and self.module is not None:
+            transfers = transferred(self.activation_offload, self.weight_streamer)
+            self.verifier = verifier_for(requests, transfers, self._trainer, self.module, self._reset_engines)
 
     def _reset_engines(self) -> None:
         """After verify mode's reference pass: the engines' step state and figures, as before it."""

@@ -6,14 +6,22 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError, LayerOffloadRequest
+from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac.config import (
+    AUTO,
+    ActivationCheckpointingConfig,
+    ActivationOffloadRequest,
+    ConfigError,
+    LayerOffloadRequest,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["check_strategy", "resolve_reentrant"]
+__all__ = ["check_strategy", "offload_wanted", "resolve_reentrant"]
 
 # Strategies that run implementation: fsdp; with DeepSpeed, the strategies that shard parameters, which layer
 # offloading (whole parameters) cannot work on. isinstance, so that a user's subclass counts too.
@@ -85,3 +93,24 @@ def resolve_reentrant(config: ActivationCheckpointingConfig, trainer: pl.Trainer
             "under DeepSpeed ZeRO-3. Remove selective, or use another strategy (FSDP)."
         )
     return dataclasses.replace(config, reentrant=True)
+
+
+def offload_wanted(request: Optional[ActivationOffloadRequest], device: Optional[torch.device]) -> bool:
+    """Whether ``ActivationOffload``'s request sets a target that can do something on ``device`` (a line says why
+    not: no target, or a CPU-only trainer without ``copy_on_host``)."""
+    if request is None:
+        return False
+    if not request.offload.targets:
+        rank_zero_warn(
+            "ActivationOffload() has no target, so nothing is offloaded. Pass hidden_states='cpu', selective='cpu' "
+            "or all='cpu' (Hydra: activation_checkpointing.offload.<target>: cpu), or remove the callback."
+        )
+        return False
+    if device is not None and device.type == "cpu" and not request.copy_on_host:
+        rank_zero_info(
+            "activation offloading does nothing on a CPU-only trainer (the activations already live in host "
+            "memory); to force the copies, for tests and debugging, pass ActivationOffload(copy_on_host=True) "
+            "(Hydra: offload_copy_on_host=true)"
+        )
+        return False
+    return True

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from lightning.pytorch import LightningModule
 
+from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget import BudgetController
+from lightning_ac.config import ActivationOffloadRequest, LayerOffloadRequest
 from lightning_ac.offload.activations import ActivationOffloadRuntime
+from lightning_ac.offload.weights import LayerWeightStreamer
 from lightning_ac.verify import StepVerifier
 
-__all__ = ["wrap_training_step"]
+__all__ = ["transferred", "verifier_for", "wrap_training_step"]
 
 
 def wrap_training_step(
@@ -55,3 +58,31 @@ def wrap_training_step(
         return step(*args, **kwargs)
 
     module.training_step = training_step  # type: ignore[method-assign]
+
+
+def transferred(
+    activation_offload: Optional[ActivationOffloadRuntime], weight_streamer: Optional[LayerWeightStreamer]
+) -> List[str]:
+    """What this run transfers, in verify mode's words: ``offload.<target>`` and ``layer offloading``."""
+    targets = [f"offload.{t}" for t in activation_offload.targets] if activation_offload else []
+    return targets + (["layer offloading"] if weight_streamer is not None else [])
+
+
+def verifier_for(
+    requests: Sequence[Union[ActivationOffloadRequest, LayerOffloadRequest]],
+    transfers: List[str],
+    trainer: Any,
+    module: Any,
+    reset_engines: Callable[[], None],
+) -> Optional[StepVerifier]:
+    """Verify mode for a run that trains, when a request asks for it and ``transfers`` is not empty (a line says so
+    when there is nothing to verify); checked against the Trainer and module before it is built."""
+    steps = max((r.verify_steps for r in requests), default=0)
+    if not steps:
+        return None
+    if not transfers:
+        rank_zero_info("verify mode: nothing is transferred in this run, so there is nothing to verify")
+        return None
+    StepVerifier.check(trainer, module)
+    atol = max(r.verify_atol for r in requests)
+    return StepVerifier(steps, atol, transfers, reset_engines)

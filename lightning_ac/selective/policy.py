@@ -19,7 +19,6 @@ seam through which an offloading storage can replace it.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import logging
 from collections import Counter
@@ -34,6 +33,7 @@ from lightning_ac._compat import sac_saves_bypass_saved_tensor_hooks
 from lightning_ac._logging import LightningACWarning, log, rank_zero_warn
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
+from lightning_ac.selective.matching import match_modules
 from lightning_ac.selective.modes import DryRunMode, ForwardMode, RecomputeMode, Region, RuleStats
 from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
 from lightning_ac.selective.registry import RegisteredSave, registered_saves
@@ -45,20 +45,6 @@ StorageFactory = Callable[[Callable[..., CheckpointPolicy]], Tuple[Any, Any]]
 
 class SelectiveCheckpointingWarning(LightningACWarning):
     """A selective-checkpointing rule that saves nothing useful (never matched, never fired, never replayed)."""
-
-
-def _name_matches(name: str, entry: str) -> bool:
-    if any(c in entry for c in "*?["):
-        return fnmatch.fnmatchcase(name, entry)
-    return name == entry or name.endswith("." + entry)
-
-
-def _peft_tuner_class() -> Optional[type]:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return None
-    return BaseTunerLayer
 
 
 class SelectivePolicy:
@@ -113,35 +99,12 @@ class SelectivePolicy:
 
     # -- install / remove -------------------------------------------------------------------------------
 
-    def _match_modules(self) -> Dict[str, List[nn.Module]]:
-        """For each ``save_modules`` entry, the modules whose matmuls it saves (PEFT layers resolved to
-        their ``base_layer``), only from inside the decoder layers."""
-        tuner = _peft_tuner_class()
-        matched: Dict[str, List[nn.Module]] = {entry: [] for entry in self.config.save_modules}
-        for layer in self.layers:
-            inside_tuner: set = set()
-            for module in layer.modules():
-                if module is layer or id(module) in inside_tuner:
-                    continue
-                if tuner is not None and isinstance(module, tuner):
-                    inside_tuner.update(id(m) for m in module.modules() if m is not module)
-                name = self._module_names.get(module)
-                if name is None:
-                    continue
-                for entry in matched:
-                    if _name_matches(name, entry):
-                        target = module
-                        if tuner is not None and isinstance(module, tuner):
-                            target = module.get_base_layer()
-                        matched[entry].append(target)
-        return matched
-
     def install(self) -> None:
         """Register the hooks that tell the policy which layer and which saved module is running."""
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
             self._handles.append(layer.register_forward_hook(self._exit_layer, always_call=True))
-        self.matched_modules = self._match_modules()
+        self.matched_modules = match_modules(self.layers, self.config.save_modules, self._module_names)
         for entry, modules in self.matched_modules.items():
             rule = self.module_rules[entry]
             rule.modules = len(modules)
