@@ -14,6 +14,7 @@ from lightning_ac.config import (
     OffloadConfig,
 )
 from lightning_ac.offload.device import available_host_bytes
+from lightning_ac.units import DEFAULT_HOST_RESERVE_BYTES
 
 __all__ = ["ActivationOffload"]
 
@@ -68,7 +69,7 @@ class ActivationOffload(SuiteCallback):
         copy_on_host: bool = False,
         min_offload_bytes: int = 2**16,
         max_pinned_bytes: int = 8 * 2**30,
-        host_reserve_bytes: int = 2 * 2**30,
+        host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
         verify_steps: int = 0,
         verify_atol: float = 0.0,
         verbose: bool = False,

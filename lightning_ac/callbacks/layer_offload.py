@@ -11,6 +11,7 @@ from lightning_ac.config import (
     LayerOffloadRequest,
 )
 from lightning_ac.layers import LayerSpec
+from lightning_ac.units import DEFAULT_HOST_RESERVE_BYTES
 
 __all__ = ["LayerOffload"]
 
@@ -70,7 +71,7 @@ class LayerOffload(SuiteCallback):
         *,
         layers: Optional[Sequence[LayerSpec]] = None,
         copy_on_host: bool = False,
-        host_reserve_bytes: int = 2 * 2**30,
+        host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
         resident_layers: int = 0,
         verify_steps: int = 0,
         verify_atol: float = 0.0,

@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 
 from lightning_ac.config.schema import AUTO, FIRST_PLANS, ConfigError, Placement
 from lightning_ac.layers import LayerSpec, layer_class
+from lightning_ac.units import size_from_text
 
 __all__ = [
     "expected_error",
@@ -100,21 +101,6 @@ def parse_count(value: Any, name: str, *, minimum: int = 0, fix: str = "") -> in
     return value
 
 
-_SIZE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-
-
 def parse_size(value: Any, name: str) -> int:
     """A memory size: a positive int of bytes, or text with a unit (``"24GiB"``, ``"512MiB"``, ``"20GB"``,
     ``"300 MB"``; binary and decimal units, any case). Booleans, zero, negatives and unknown units are errors; so is
@@ -141,12 +127,10 @@ def parse_size(value: Any, name: str) -> int:
         raise expected_error(name, expected, value, "Give the activation memory one training step may use.")
     if isinstance(value, int):
         return value
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
+    size = size_from_text(value) if isinstance(value, str) else None
+    if size is None:
         units = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)"
         raise expected_error(name, expected, value, f"Units: {units}.")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if size <= 0:
         raise expected_error(name, expected, value, "Give the activation memory one training step may use.")
     return size

@@ -30,6 +30,7 @@ from lightning_ac.config.schema import (
     OffloadConfig,
 )
 from lightning_ac.layers import LayerSpec
+from lightning_ac.units import DEFAULT_HOST_RESERVE_BYTES
 
 __all__ = [
     "ActivationOffloadRequest",
@@ -130,7 +131,7 @@ class ActivationOffloadRequest:
     copy_on_host: bool = False
     min_offload_bytes: int = 2**16
     max_pinned_bytes: int = 8 * 2**30
-    host_reserve_bytes: int = 2 * 2**30
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES
     verify_steps: int = 0
     verify_atol: float = 0.0
 
@@ -161,7 +162,7 @@ class LayerOffloadRequest:
 
     layers: Optional[List[LayerSpec]] = None
     copy_on_host: bool = False
-    host_reserve_bytes: int = 2 * 2**30
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES
     resident_layers: int = 0
     verify_steps: int = 0
     verify_atol: float = 0.0

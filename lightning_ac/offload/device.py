@@ -17,6 +17,8 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
+from lightning_ac.units import format_bytes
+
 __all__ = [
     "AcceleratorDevice",
     "AsyncDevice",
@@ -95,14 +97,6 @@ def check_host_budget(what: str, needed_bytes: int, limit_bytes: Optional[int], 
         f"{what} needs {format_bytes(needed_bytes)} of host memory, but only {format_bytes(limit_bytes)} is "
         f"available (MemAvailable minus a {format_bytes(reserve_bytes)} reserve). {fix}"
     )
-
-
-def format_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps the number at 1 or more (``512 B``, ``1.5 MiB``)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def is_asynchronous(device: torch.device) -> bool:

@@ -19,9 +19,9 @@ from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError
 from lightning_ac.layers import CompiledModules, DecoderLayers, compiled_layers
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import checkpointed_inside_too, compiled_call, offload_inputs_of_compiled_layer
-from lightning_ac.offload.device import format_bytes
 from lightning_ac.selective.apply import build_policy
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.units import format_bytes
 
 __all__ = ["Recompute", "cache_off_for_the_run", "check_compiled", "describe_recompute", "install_recompute"]
 
