@@ -554,7 +554,7 @@ def test_python_m_lightning_ac_selfcheck_takes_features_and_help(capsys):
 @pytest.mark.simulated
 def test_the_checks_copy_on_the_host_apart_from_a_simulated_device():
     """The toy's copies are not the run's: a check inside a SimulatedDevice leaves its figures as they were."""
-    from lightning_ac.offload.simulated import SimulatedDevice
+    from lightning_ac.testing.simulated import SimulatedDevice
 
     with SimulatedDevice() as sim:
         for feature in ("offload.selective", "layer_offloading"):
