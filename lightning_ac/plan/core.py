@@ -335,7 +335,7 @@ class Plan:
         self.activation_offload = self._journal = self.weight_streamer = self.recompute = None
         self.chunked_loss = None
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
-        home = torch.device("cpu") if after_exception else self._home_device(streamer)
+        home = torch.device("cpu") if after_exception else _home_device(self.module, streamer, self.device)
         steps = [
             budget.abort_step if budget is not None else None,
             chunked_loss.remove if chunked_loss is not None else None,
@@ -345,14 +345,6 @@ class Plan:
             journal.restore if journal is not None else None,
         ]
         _run_all([step for step in steps if step is not None])
-
-    def _home_device(self, streamer: Optional[LayerWeightStreamer]) -> Optional[torch.device]:
-        """Where the module's other parameters are now: after a successful run Lightning has already moved the
-        module to the CPU (``strategy.teardown`` runs before ``Callback.teardown``)."""
-        if streamer is None or self.module is None:
-            return None
-        streamed = {id(p) for p in streamer.streamed}
-        return next((p.device for p in self.module.parameters() if id(p) not in streamed), self.device)
 
 
 def _run_all(steps: List[Any]) -> None:
@@ -365,3 +357,14 @@ def _run_all(steps: List[Any]) -> None:
             error = error or err
     if error is not None:
         raise error
+
+
+def _home_device(
+    module: Optional[nn.Module], streamer: Optional[LayerWeightStreamer], device: Optional[torch.device]
+) -> Optional[torch.device]:
+    """Where the module's other parameters are now: after a successful run Lightning has already moved the module
+    to the CPU (``strategy.teardown`` runs before ``Callback.teardown``)."""
+    if streamer is None or module is None:
+        return None
+    streamed = {id(p) for p in streamer.streamed}
+    return next((p.device for p in module.parameters() if id(p) not in streamed), device)
