@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ac.budget import BudgetController, Choice
 from lightning_ac.budget.first_plan import check_first_plan
-from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
+from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.packed import notice_for
 from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError
 from lightning_ac.layers import CompiledModules, DecoderLayers, compiled_layers
@@ -127,12 +127,13 @@ def install_recompute(
             head_chunks=head_chunks,
         )
         switches = done.budget.switches
+    settings = CheckpointSettings(config.checkpoint_kwargs, config.every_n_layers)
     if engine == "hf":
         done.recomputed = enable_hf_checkpointing(
-            layers.hf_models, modules, config, context_fn, checkpoint_fn, layer_checkpoint_fns=switches
+            layers.hf_models, modules, settings, context_fn, checkpoint_fn, layer_checkpoint_fns=switches
         )
     else:
-        done.recomputed = wrap_layers(modules, config, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
+        done.recomputed = wrap_layers(modules, settings, context_fn, checkpoint_fn, layer_checkpoint_fns=switches)
     if done.selective is not None:
         done.selective.set_checkpointed(done.recomputed)
     if found.above or compiled:
