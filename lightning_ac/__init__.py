@@ -20,6 +20,7 @@ from lightning_ac.selective import (
     register_preferred_save,
 )
 from lightning_ac.selfcheck import IncompatibleReleaseError, SelfCheckError
+from lightning_ac.selfcheck import lightning_hooks as _lightning_hooks  # noqa: F401  (registers the callbacks' check)
 from lightning_ac.train_mode import EvalModeError
 from lightning_ac.verify import OffloadVerificationError
 

@@ -136,19 +136,13 @@ def fake_session() -> Iterator[None]:
     import transformers.masking_utils as masking_utils
     from torch._subclasses.fake_tensor import FakeTensor
 
-    import lightning_ac.offload.engine as engine
-    import lightning_ac.offload.weights as weights
-    from lightning_ac.offload.device import standing_for_plain
-
-    def unlimited(reserve_bytes: int) -> None:
-        return None
+    from lightning_ac.offload.device import standing_for_plain, unlimited_host
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_caller_state())
         stack.enter_context(patched(masking_utils, "find_packed_sequence_indices", _unpacked))
         storage = torch.UntypedStorage
         stack.enter_context(patched(storage, "data_ptr", _fake_aware_data_ptr(storage.data_ptr)))
-        stack.enter_context(patched(engine, "host_limit", unlimited))
-        stack.enter_context(patched(weights, "host_limit", unlimited))
+        stack.enter_context(unlimited_host())
         stack.enter_context(standing_for_plain(FakeTensor))
         yield

@@ -18,7 +18,7 @@ from typing import Any, List, Optional
 
 import torch
 
-__all__ = ["MemoryPeak", "measure_step"]
+__all__ = ["MemoryPeak", "StepMeasurement", "measure_step"]
 
 
 @dataclass
@@ -38,7 +38,7 @@ class MemoryPeak:
     source: str
 
 
-class _StepMeasurement:
+class StepMeasurement:
     """Context around one step: CUDA allocator stats when the module is on CUDA, else MemTracker."""
 
     def __init__(
@@ -60,7 +60,7 @@ class _StepMeasurement:
         self._held = 0  # bytes that existed before the measurement started and stay through it
         self.result: Optional[MemoryPeak] = None
 
-    def __enter__(self) -> _StepMeasurement:
+    def __enter__(self) -> StepMeasurement:
         if self.device.type == "cuda":
             if self.synchronize:
                 torch.cuda.synchronize(self.device)
@@ -254,12 +254,12 @@ def measure_step(
     device: torch.device,
     synchronize: bool = True,
     inside_forward: bool = False,
-) -> _StepMeasurement:
+) -> StepMeasurement:
     """A context manager measuring the memory peak of what runs inside it (``.result`` after exit).
 
     ``synchronize=False`` leaves CUDA's queue running: the allocator's figures are kept as the host allocates, so the
     memory budget, which reads them every step, does not stall the device (the benchmark waits, for its step times).
     ``inside_forward=True`` starts it inside a module's forward (what existed before is not counted: see
-    :meth:`_StepMeasurement.add_held`).
+    :meth:`StepMeasurement.add_held`).
     """
-    return _StepMeasurement(modules, optimizers, device, synchronize, inside_forward)
+    return StepMeasurement(modules, optimizers, device, synchronize, inside_forward)

@@ -28,7 +28,8 @@ from torch import nn
 
 from lightning_ac._logging import rank_zero_info, rank_zero_warn
 from lightning_ac.config import ConfigError
-from lightning_ac.offload.device import format_bytes, synchronous_transfers
+from lightning_ac.offload.device import synchronous_transfers
+from lightning_ac.units import format_bytes
 
 __all__ = ["OffloadVerificationError", "StepVerifier"]
 

@@ -207,7 +207,7 @@ def transfer(request):
     if request.param == "host":
         yield None
         return
-    from lightning_ac.offload.simulated import SimulatedDevice
+    from lightning_ac.testing.simulated import SimulatedDevice
 
     with SimulatedDevice() as sim:
         yield sim

@@ -262,8 +262,8 @@ def test_anchors_that_cannot_run_here_say_why(monkeypatch, tmp_path):
         assert by[mode].status == "unavailable: needs a CUDA device"
     # on an accelerator, an external offloader runs only when its package is installed
     if importlib.util.find_spec("trl") is None:
-        assert bench._availability("trl_offload_full", on_accelerator=True) == "unavailable: trl is not installed"
-    assert bench._availability("full", on_accelerator=False) == "ok"
+        assert bench.availability("trl_offload_full", on_accelerator=True) == "unavailable: trl is not installed"
+    assert bench.availability("full", on_accelerator=False) == "ok"
 
 
 def test_an_installed_but_broken_anchor_package_says_so(monkeypatch, tmp_path):
@@ -271,7 +271,7 @@ def test_an_installed_but_broken_anchor_package_says_so(monkeypatch, tmp_path):
     (tmp_path / "trl").mkdir()
     (tmp_path / "trl" / "__init__.py").write_text("import a_dependency_that_is_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    status = bench._availability("trl_offload_only", on_accelerator=True)
+    status = bench.availability("trl_offload_only", on_accelerator=True)
     assert status.startswith("unavailable: cannot import trl.models.activation_offloading: ModuleNotFoundError")
 
 

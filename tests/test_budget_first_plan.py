@@ -177,7 +177,7 @@ def test_a_resumed_plan_takes_no_fake_step(references, tmp_path, caplog):
 def test_the_first_real_step_times_every_layer_on_the_devices_clock(references, monkeypatch):
     """The fake step's layer times are the host's time for ops that computed nothing (on CUDA, device events around
     no work would read zero): the first real step times each layer's forward, and the figures take those."""
-    import lightning_ac.callbacks as callbacks_module
+    import lightning_ac.callbacks.base as callbacks_module
 
     fake_times = []
     make_plan = callbacks_module.plan_from_fake_step

@@ -29,7 +29,7 @@ from conftest import (
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
 from lightning_ac.offload import TransferEngine
-from lightning_ac.offload.simulated import SimulatedDevice
+from lightning_ac.testing.simulated import SimulatedDevice
 
 HIDDEN = 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32

@@ -21,6 +21,7 @@ from lightning_ac import (
     IncompatibleReleaseError,
     LayerOffload,
     _compat,
+    release_gate,
     selfcheck,
 )
 from lightning_ac._compat import CHECKPOINT_TAKES_RESPECT_HOOKS, SAC_STORAGE_INDEXED, TESTED
@@ -31,9 +32,9 @@ UNTESTED_TORCH = "2.99.0"
 @pytest.fixture(autouse=True)
 def _fresh_process():
     """Each test starts as a new process would: no feature checked yet."""
-    selfcheck._passed.clear()
+    release_gate._passed.clear()
     yield
-    selfcheck._passed.clear()
+    release_gate._passed.clear()
 
 
 def _pretend(monkeypatch, **releases):
@@ -373,8 +374,8 @@ def test_the_error_says_the_release_is_newer_than_the_tested_ones(monkeypatch):
 
 def _record_runs(monkeypatch):
     runs = []
-    real = selfcheck.run_check
-    monkeypatch.setattr(selfcheck, "run_check", lambda feature, *args: runs.append(feature) or real(feature, *args))
+    real = release_gate.run_check
+    monkeypatch.setattr(release_gate, "run_check", lambda feature, *args: runs.append(feature) or real(feature, *args))
     return runs
 
 
@@ -406,8 +407,8 @@ def test_an_untested_lightning_checks_the_callbacks(monkeypatch):
 
 
 def test_the_packages_the_checks_rely_on_are_the_ones_the_import_warning_names():
-    assert {p for check in selfcheck._CHECKS.values() for p in check.packages} == set(_compat.SELF_CHECKED)
-    assert set(selfcheck._CHECKS) == set(selfcheck.FEATURES)
+    assert {p for check in release_gate.CHECKS.values() for p in check.packages} == set(_compat.SELF_CHECKED)
+    assert set(release_gate.CHECKS) == set(selfcheck.FEATURES)
 
 
 def test_features_of_a_plan():
@@ -513,14 +514,14 @@ def test_importing_next_to_an_older_torch_fails_naming_the_floor():
 
 
 def test_the_users_block_is_still_parsed_once_on_an_untested_release(monkeypatch):
-    import lightning_ac.config
+    import lightning_ac.config.block
 
     calls = []
-    original = lightning_ac.config._parse_block
-    monkeypatch.setattr(lightning_ac.config, "_parse_block", lambda value: calls.append(value) or original(value))
+    original = lightning_ac.config.block._parse_block
+    monkeypatch.setattr(lightning_ac.config.block, "_parse_block", lambda value: calls.append(value) or original(value))
     _pretend(monkeypatch, torch=UNTESTED_TORCH)
     fit(clone(tiny_model("llama")), _suite())
-    assert len(calls) == 1 and {feature for feature, _ in selfcheck._passed} >= {"selective", "offload.selective"}
+    assert len(calls) == 1 and {feature for feature, _ in release_gate._passed} >= {"selective", "offload.selective"}
 
 
 def test_python_m_lightning_ac_selfcheck_says_what_works(capsys, monkeypatch):
@@ -553,7 +554,7 @@ def test_python_m_lightning_ac_selfcheck_takes_features_and_help(capsys):
 @pytest.mark.simulated
 def test_the_checks_copy_on_the_host_apart_from_a_simulated_device():
     """The toy's copies are not the run's: a check inside a SimulatedDevice leaves its figures as they were."""
-    from lightning_ac.offload.simulated import SimulatedDevice
+    from lightning_ac.testing.simulated import SimulatedDevice
 
     with SimulatedDevice() as sim:
         for feature in ("offload.selective", "layer_offloading"):
@@ -639,7 +640,7 @@ def test_a_check_that_runs_out_of_host_memory_says_so_and_does_not_blame_the_rel
     ), message
     assert f"This is not torch {UNTESTED_TORCH} breaking offload.all" in message and "Free host memory" in message
     assert "does not work with" not in message and not isinstance(raised.value, IncompatibleReleaseError)
-    assert selfcheck._passed == {}, "a check that could not run runs again next time"
+    assert release_gate._passed == {}, "a check that could not run runs again next time"
     assert selfcheck.main(["offload.all"]) == 1
     assert "ERROR offload.all: lightning_ac: the self-check of offload.all could not run" in capsys.readouterr().out
 

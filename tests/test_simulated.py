@@ -5,7 +5,7 @@ The exactness tests of tests/test_offload.py, tests/test_layer_offload.py and te
 with ``copy_on_host`` (the synchronous branch) and once on the simulated device (the ``transfer`` fixture, marker
 ``simulated``). This module tests the simulator itself, and what only it can measure.
 
-What the simulator cannot model (see lightning_ac/offload/simulated.py): its compute stream is the CPU, so
+What the simulator cannot model (see lightning_ac/testing/simulated.py): its compute stream is the CPU, so
 (1) a side stream can never read a compute output before it is written: the simulator instead requires a fresh
 ``wait_stream(compute)`` before each copy of a compute-produced tensor (``test_copy_of_a_compute_output_needs_a_wait``);
 (2) compute has finished with a tensor before the allocator could reuse its memory, so a missing
@@ -21,8 +21,8 @@ from torch import nn
 
 from lightning_ac import ActivationCheckpointing, ActivationOffload, LayerOffload
 from lightning_ac.offload import TransferEngine
-from lightning_ac.offload.simulated import SimulatedDevice, SimulatedDeviceError
 from lightning_ac.offload.weights import LayerWeightStreamer, frozen_layer_parameters
+from lightning_ac.testing.simulated import SimulatedDevice, SimulatedDeviceError
 
 pytestmark = pytest.mark.simulated
 

@@ -21,7 +21,7 @@ from lightning_ac import (
     OffloadVerificationError,
     callbacks_from_config,
 )
-from lightning_ac.offload.simulated import SimulatedDevice
+from lightning_ac.testing.simulated import SimulatedDevice
 
 pytestmark = pytest.mark.simulated
 

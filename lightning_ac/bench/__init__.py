@@ -20,10 +20,7 @@ The core package never imports from here; this package imports the core.
 # Re-exported objects are the modules' own (not copies): tests register presets with
 # ``monkeypatch.setitem(bench.PRESETS, ...)`` and the runner must see them.
 from lightning_ac.bench.cli import main
-from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES, BUDGET_MODES, LAYER_OFFLOAD_MODES, MODES
-
-# private, but reachable as ``bench._availability`` (tests call it): the alias marks the re-export as intended
-from lightning_ac.bench.modes import _availability as _availability
+from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES, BUDGET_MODES, LAYER_OFFLOAD_MODES, MODES, availability
 from lightning_ac.bench.plot import label_offsets, plot
 from lightning_ac.bench.presets import PRESETS
 from lightning_ac.bench.run import Row, run_benchmark
@@ -36,6 +33,7 @@ __all__ = [
     "MODES",
     "PRESETS",
     "Row",
+    "availability",
     "fastest_fixed_mode",
     "label_offsets",
     "main",

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ac._logging import rank_zero_warn
-from lightning_ac.memory import MemoryPeak, _StepMeasurement, measure_step
+from lightning_ac.memory import MemoryPeak, StepMeasurement, measure_step
 
 __all__ = ["MemoryPeak", "StepMetrics", "measure_step"]
 
@@ -45,7 +45,7 @@ class StepMetrics(Callback):
     def __post_init__(self) -> None:
         super().__init__()
         self._start = 0.0
-        self._measurement: Optional[_StepMeasurement] = None
+        self._measurement: Optional[StepMeasurement] = None
 
     @property
     def median_step_time(self) -> Optional[float]:

@@ -28,6 +28,7 @@ __all__ = [
     "LAYER_OFFLOAD_MODES",
     "MODES",
     "UNPLANNED",
+    "availability",
     "budget_block",
     "budget_bounds",
     "default_modes",
@@ -274,7 +275,7 @@ def training_loss(mode: str) -> Optional[Callable[[nn.Module, torch.Tensor], tor
     return TRAINING_LOSSES.get(mode)
 
 
-def _availability(mode: str, on_accelerator: bool) -> str:
+def availability(mode: str, on_accelerator: bool) -> str:
     """``"ok"``, or why this mode cannot run here (reported in its row instead of failing the run)."""
     anchor = ALL_ANCHORS.get(mode)
     if mode in ACCELERATOR_ANCHORS and not on_accelerator:

@@ -30,7 +30,7 @@ from lightning_ac.bench.modes import (
     COMPILED_MODES,
     FLOOR_MODES,
     LAYER_OFFLOAD_MODES,
-    _availability,
+    availability,
     budget_block,
     budget_bounds,
     cold_compiles,
@@ -219,7 +219,7 @@ def run_benchmark(
     if bounds:  # placed between full's peak and off's (or their chunked rows'): those run first
         modes = list(dict.fromkeys([m for m in bounds if m not in modes] + modes))
         modes = sorted(modes, key=lambda m: m in ALL_BUDGET_MODES)
-    status: Dict[str, str] = {m: _availability(m, on_accelerator) for m in modes}
+    status: Dict[str, str] = {m: availability(m, on_accelerator) for m in modes}
     if any(m in ALL_COMPILED for m in modes):
         try:
             warm_up_compiler(torch.device("cuda" if on_accelerator else "cpu"))

@@ -40,8 +40,8 @@ from lightning_ac.budget.switch import LayerSwitch
 from lightning_ac.config import AUTO
 from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
-from lightning_ac.offload.device import format_bytes
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.units import format_bytes
 
 __all__ = ["BudgetController", "AUTO_MARGIN", "MAX_CORRECTIONS"]
 

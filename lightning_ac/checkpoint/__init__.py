@@ -5,5 +5,6 @@ Both take the checkpoint function to use (``torch.utils.checkpoint.checkpoint`` 
 
 from lightning_ac.checkpoint.forward import wrap_layers
 from lightning_ac.checkpoint.hf import enable_hf_checkpointing
+from lightning_ac.checkpoint.settings import CheckpointSettings
 
-__all__ = ["enable_hf_checkpointing", "wrap_layers"]
+__all__ = ["CheckpointSettings", "enable_hf_checkpointing", "wrap_layers"]

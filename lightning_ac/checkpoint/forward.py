@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ac._logging import rank_zero_warn
-from lightning_ac.config import ActivationCheckpointingConfig
+from lightning_ac.checkpoint.settings import CheckpointSettings
 
 __all__ = ["wrap_layers", "TORCH_ATTRIBUTES"]
 
@@ -124,25 +124,25 @@ def _checkpointed_forward(
 
 def wrap_layers(
     layers: List[nn.Module],
-    config: ActivationCheckpointingConfig,
+    settings: CheckpointSettings,
     context_fn: Optional[Callable[[], Any]] = None,
     checkpoint_fn: Callable[..., Any] = checkpoint,
     layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
 ) -> List[bool]:
-    """Checkpoint every ``every_n_layers``-th layer with ``torch.utils.checkpoint`` (or ``checkpoint_fn``, a
+    """Checkpoint every ``settings.every_n_layers``-th layer with ``torch.utils.checkpoint`` (or ``checkpoint_fn``, a
     wrapper of it, e.g. one that offloads the layer's inputs; or, per layer, ``layer_checkpoint_fns``: the memory
-    budget's switches).
+    budget's switches), with ``settings.checkpoint_kwargs``.
 
     Returns:
         For each layer, whether it is checkpointed.
     """
-    kwargs: Dict[str, Any] = dict(config.checkpoint_kwargs)
+    kwargs: Dict[str, Any] = dict(settings.checkpoint_kwargs)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     functions = list(layer_checkpoint_fns) if layer_checkpoint_fns is not None else [checkpoint_fn] * len(layers)
     applied = []
     for index, (layer, function) in enumerate(zip(layers, functions)):
-        wrap = index % config.every_n_layers == 0
+        wrap = index % settings.every_n_layers == 0
         if wrap:
             layer.forward = _checkpointed_forward(layer, layer.forward, kwargs, function)  # type: ignore[method-assign]
         applied.append(wrap)

@@ -8,7 +8,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ac.config import ActivationCheckpointingConfig, ConfigError
+from lightning_ac.checkpoint.settings import CheckpointSettings
+from lightning_ac.config import ConfigError
 
 __all__ = ["enable_hf_checkpointing", "HF_ATTRIBUTES"]
 
@@ -24,7 +25,7 @@ HF_ATTRIBUTES = (
 def enable_hf_checkpointing(
     models: List[nn.Module],
     layers: List[nn.Module],
-    config: ActivationCheckpointingConfig,
+    settings: CheckpointSettings,
     context_fn: Optional[Callable[[], Any]] = None,
     checkpoint_fn: Callable[..., Any] = checkpoint,
     layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
@@ -34,7 +35,7 @@ def enable_hf_checkpointing(
     Args:
         models: Outermost ``PreTrainedModel`` instances.
         layers: Their decoder layers, in order, to report which ones checkpoint.
-        config: The validated block (kwargs, reentrant, every_n_layers).
+        settings: The checkpoint function's arguments and which layers recompute.
         context_fn: A ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant only), e.g. a SAC policy.
         checkpoint_fn: The checkpoint function the checkpointed layers call: ``torch.utils.checkpoint.checkpoint``
             or a wrapper of it (hidden-state offload passes one that offloads each layer's inputs).
@@ -42,7 +43,7 @@ def enable_hf_checkpointing(
     Returns:
         For each layer, whether it is checkpointed.
     """
-    kwargs: Dict[str, Any] = dict(config.checkpoint_kwargs)
+    kwargs: Dict[str, Any] = dict(settings.checkpoint_kwargs)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     for model in models:
@@ -54,7 +55,7 @@ def enable_hf_checkpointing(
             )
         users_hooks = bool(getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None))
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs, every_n_layers=config.every_n_layers
+            activation_checkpointing_kwargs=kwargs, every_n_layers=settings.every_n_layers
         )
         if not kwargs["use_reentrant"] and not users_hooks:
             # transformers also makes the input embeddings' output require grad, which reentrant recompute needs over

@@ -266,13 +266,13 @@ def _fake_op_error(err: BaseException, mode: str, op: Any) -> Optional[EstimateE
 
 
 def _features(mode: Mode) -> List[str]:
-    import lightning_ac.selfcheck as selfcheck
+    from lightning_ac import release_gate
     from lightning_ac.config import parse_config
 
     cfg = parse_config(mode.block)
     targets = list(cfg.offload.targets)
     layer_offload = mode.layer_offload is not None
-    return selfcheck.features_of(
+    return release_gate.features_of(
         cfg.enabled, cfg.selective is not None, targets, layer_offload, False, cfg.chunked_loss is not None
     )
 
@@ -293,9 +293,9 @@ def mode_callbacks(mode: Mode, layers: int) -> List[Callback]:
 def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = "auto") -> pl.Trainer:
     """A CPU Trainer that trains ``max_steps`` steps with ``callbacks`` and nothing else (no logger, checkpoints,
     progress bar or summary); the user's ``PL_TRAINER_*`` variables are not its defaults."""
-    from lightning_ac.callbacks import _without_trainer_environment
+    from lightning_ac.private_trainer import without_trainer_environment
 
-    with _without_trainer_environment():
+    with without_trainer_environment():
         return pl.Trainer(
             accelerator="cpu",
             devices=1,
@@ -328,11 +328,11 @@ def fake_step(
         EstimateError: If an op has no fake implementation (naming the op and the mode), or the mode does not apply
             to the model (the suite's own :class:`~lightning_ac.ConfigError`, with the mode named).
     """
-    import lightning_ac.selfcheck as selfcheck
+    from lightning_ac import release_gate
     from lightning_ac.config import ConfigError
 
     # a release newer than the tested ones checks each feature on real tensors, before the fake step (once a process)
-    selfcheck.ensure(_features(mode))
+    release_gate.ensure(_features(mode))
     started = time.perf_counter()
     tracker = MemoryTracker(round_to=CUDA_BLOCK if target == "cuda" else 1, flop_registry=flop_registry())
     measure = _Measure(tracker)

@@ -5,7 +5,7 @@ offloading's :class:`~lightning_ac.offload.weights.LayerWeightStreamer`) reach a
 through an :class:`AsyncDevice`: its streams and events, non-blocking copies, device allocations,
 ``record_stream`` and pinned host memory. :func:`async_device` picks the implementation: the real accelerator
 (:class:`AcceleratorDevice`, through ``torch.get_device_module``), the simulated asynchronous device while one
-is active (:class:`~lightning_ac.offload.simulated.SimulatedDevice`, tests), or none, where the engines copy
+is active (:class:`~lightning_ac.testing.simulated.SimulatedDevice`, tests), or none, where the engines copy
 synchronously (a CPU device with ``copy_on_host``, MPS). Nothing in the engines knows which one it runs on.
 """
 
@@ -16,6 +16,8 @@ import os
 from typing import Any, Iterator, List, Optional
 
 import torch
+
+from lightning_ac.units import format_bytes
 
 __all__ = [
     "AcceleratorDevice",
@@ -30,6 +32,8 @@ __all__ = [
     "stands_for_plain",
     "standing_for_plain",
     "synchronous_transfers",
+    "stand_in_for_cpu",
+    "unlimited_host",
     "transfers_are_synchronous",
 ]
 
@@ -73,8 +77,26 @@ def available_host_bytes() -> Optional[int]:
         return None
 
 
+_host_unlimited = False  # inside unlimited_host()
+
+
+@contextlib.contextmanager
+def unlimited_host() -> Iterator[None]:
+    """Inside: :func:`host_limit` sets no limit. The estimate's fake steps run here: what they place in host memory
+    is counted, not held, and must not be judged against this machine's free memory."""
+    global _host_unlimited
+    previous, _host_unlimited = _host_unlimited, True
+    try:
+        yield
+    finally:
+        _host_unlimited = previous
+
+
 def host_limit(reserve_bytes: int) -> Optional[int]:
-    """Bytes that may still be placed in host memory, keeping ``reserve_bytes`` free; ``None`` when unknown."""
+    """Bytes that may still be placed in host memory, keeping ``reserve_bytes`` free; ``None`` when unknown (and
+    inside :func:`unlimited_host`)."""
+    if _host_unlimited:
+        return None
     available = available_host_bytes()
     return None if available is None else max(0, available - reserve_bytes)
 
@@ -95,14 +117,6 @@ def check_host_budget(what: str, needed_bytes: int, limit_bytes: Optional[int], 
         f"{what} needs {format_bytes(needed_bytes)} of host memory, but only {format_bytes(limit_bytes)} is "
         f"available (MemAvailable minus a {format_bytes(reserve_bytes)} reserve). {fix}"
     )
-
-
-def format_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps the number at 1 or more (``512 B``, ``1.5 MiB``)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def is_asynchronous(device: torch.device) -> bool:
@@ -244,7 +258,7 @@ _simulated: Optional[AsyncDevice] = None  # set while a SimulatedDevice is activ
 @contextlib.contextmanager
 def host_copies() -> Iterator[None]:
     """Inside: a CPU device copies synchronously on the host, even while a
-    :class:`~lightning_ac.offload.simulated.SimulatedDevice` is active. The self-checks' toy model runs here: its copies
+    :class:`~lightning_ac.testing.simulated.SimulatedDevice` is active. The self-checks' toy model runs here: its copies
     are not the run's, and must not show in the simulated device's figures."""
     global _simulated
     active, _simulated = _simulated, None
@@ -254,10 +268,18 @@ def host_copies() -> Iterator[None]:
         _simulated = active
 
 
+def stand_in_for_cpu(device: Optional[AsyncDevice]) -> Optional[AsyncDevice]:
+    """Make ``device`` the asynchronous device the engines copy through for the CPU (a simulated device, while it is
+    active; ``None``: copies on the CPU are synchronous again). Returns the one it replaces."""
+    global _simulated
+    previous, _simulated = _simulated, device
+    return previous
+
+
 def async_device(device: torch.device) -> Optional[AsyncDevice]:
     """The asynchronous device the engines copy through on ``device``, ``None`` where copies are synchronous.
 
-    A CPU device is asynchronous only while a :class:`~lightning_ac.offload.simulated.SimulatedDevice` is
+    A CPU device is asynchronous only while a :class:`~lightning_ac.testing.simulated.SimulatedDevice` is
     active; an accelerator is when its device module has streams (MPS has none).
     """
     device = torch.device(device)

@@ -26,7 +26,7 @@ before; in backward the layer before is loaded once the device has passed the re
 
 On a CPU device the same path runs synchronously with separate host tensors standing in for device copies
 (``copy_on_host``); the accelerator branch runs on the CPU on the simulated asynchronous device
-(:mod:`lightning_ac.offload.simulated`).
+(:mod:`lightning_ac.testing.simulated`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
-import lightning_ac.selfcheck as selfcheck
+import lightning_ac.release_gate as release_gate
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
 from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
@@ -119,7 +119,7 @@ def apply_selective_checkpointing(
                 "Enable it with activation_checkpointing_kwargs={'use_reentrant': False}."
             )
         originals.append(layer.__dict__.get("_gradient_checkpointing_func"))
-    selfcheck.ensure(["selective"])  # on a newer torch or transformers than the tested ones, before it acts
+    release_gate.ensure(["selective"])  # on a newer torch or transformers than the tested ones, before it acts
     # the diagnostics run after one backward: one recompute per checkpointed layer, not per layer
     policy = build_policy(
         config, model, layers, checkpointed=[bool(getattr(m, "gradient_checkpointing", False)) for m in layers.modules]

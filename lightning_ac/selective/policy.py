@@ -19,176 +19,32 @@ seam through which an offloading storage can replace it.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import lightning_ac.selective.diagnostics as diagnostics
 from lightning_ac._compat import sac_saves_bypass_saved_tensor_hooks
 from lightning_ac._logging import LightningACWarning, log, rank_zero_warn
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
+from lightning_ac.selective.matching import match_modules
+from lightning_ac.selective.modes import DryRunMode, ForwardMode, RecomputeMode, Region, RuleStats
 from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
 from lightning_ac.selective.registry import RegisteredSave, registered_saves
 
-__all__ = ["SelectiveCheckpointingWarning", "SelectivePolicy", "StorageFactory"]
+__all__ = ["RuleStats", "SelectiveCheckpointingWarning", "SelectivePolicy", "StorageFactory"]
 
 StorageFactory = Callable[[Callable[..., CheckpointPolicy]], Tuple[Any, Any]]
 
 
 class SelectiveCheckpointingWarning(LightningACWarning):
     """A selective-checkpointing rule that saves nothing useful (never matched, never fired, never replayed)."""
-
-
-@dataclass(eq=False)
-class RuleStats:
-    """What one rule did: a ``save`` entry, a ``save_modules`` entry, the threshold, or a registered save."""
-
-    label: str
-    mandatory: bool = False
-    modules: int = 0  # save_modules: modules matched at install
-    hook_calls: int = 0  # save_modules: forward calls of matched modules
-    matched_ops: int = 0  # ops that matched the rule (saved or, for sliding layers, recomputed)
-    saved: int = 0  # outputs saved in forwards
-    replayed: int = 0  # saved outputs that a recompute reached
-    max_k: int = 0  # save_matmul_min_k: the largest K seen
-
-
-@dataclass(eq=False)
-class _Region:
-    """One checkpointed call: its forward decisions and how far its recompute replayed."""
-
-    layer: Optional[int]
-    layer_type: Optional[str]
-    last_rule: Optional[RuleStats] = None
-    ops: int = 0
-    saved: List[Tuple[int, RuleStats, str]] = field(default_factory=list)
-    mandatory: set = field(default_factory=set)
-    replayed_ops: int = 0
-    saved_bytes: int = 0  # what the saved outputs hold
-
-
-def _clone_tensors(out: Any) -> Any:
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
-
-
-def _tensor_bytes(out: Any) -> int:
-    total = 0
-
-    def add(t: Any) -> Any:
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
-        return t
-
-    tree_map(add, out)
-    return total
-
-
-def _is_skipped(name: str) -> bool:
-    # checkpoint's recompute adds detaches of its own; leaving them out keeps forward and replay indices aligned
-    return name == "aten::detach"
-
-
-class _ForwardMode(TorchDispatchMode):
-    def __init__(self, policy: SelectivePolicy, region: _Region) -> None:
-        super().__init__()
-        self.policy, self.region = policy, region
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = op_name(func)
-        if _is_skipped(name):
-            return func(*args, **kwargs)
-        region = self.region
-        region.last_rule = None
-        out = func(*args, **kwargs)  # torch's SAC mode below consults the policy, which sets last_rule
-        index, region.ops = region.ops, region.ops + 1
-        rule, region.last_rule = region.last_rule, None
-        if rule is not None:
-            region.saved.append((index, rule, name))
-            region.saved_bytes += _tensor_bytes(out)
-            rule.saved += 1
-            if rule.mandatory:
-                region.mandatory.add(index)
-                out = _clone_tensors(out)
-        return out
-
-
-class _DryRunMode(TorchDispatchMode):
-    """Asks the policy about every op of a call that runs without it, and adds up what its saves would hold (the
-    memory budget plans selective layers from this before running any)."""
-
-    def __init__(self, policy: SelectivePolicy, region: _Region) -> None:
-        super().__init__()
-        self.policy, self.region = policy, region
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not _is_skipped(op_name(func)) and self.policy.decide(self.region, func, args, kwargs, count=False):
-            self.region.saved_bytes += _tensor_bytes(out)
-        return out
-
-
-class _RecomputeMode(TorchDispatchMode):
-    def __init__(self, region: _Region) -> None:
-        super().__init__()
-        self.region = region
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_skipped(op_name(func)):
-            return func(*args, **kwargs)
-        region = self.region
-        index, region.replayed_ops = region.replayed_ops, region.replayed_ops + 1
-        out = func(*args, **kwargs)
-        if index in region.mandatory:
-            out = _clone_tensors(out)
-        return out
-
-
-def _name_matches(name: str, entry: str) -> bool:
-    if any(c in entry for c in "*?["):
-        return fnmatch.fnmatchcase(name, entry)
-    return name == entry or name.endswith("." + entry)
-
-
-def _no_match(entry: str, where: str) -> str:
-    """The problem of a ``save`` entry that matched no op in ``where``."""
-    hint = (
-        "no attention kernel ran (eager attention is bmm + softmax, which `attention` does not name)"
-        if entry == "attention"
-        else "no op's qualified name contains it"
-    )
-    return (
-        f"selective.save entry {entry!r} matched no op in {where}: {hint}. "
-        "Ops are matched at the dispatcher level as substrings of names like 'aten::mm'."
-    )
-
-
-def _no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
-    """The problem of a ``save_matmul_min_k`` that no matmul reached."""
-    return (
-        f"selective.save_matmul_min_k: {min_k} saved nothing: no matmul reached K >= {min_k} (largest K seen: "
-        f"{max_k}). Lower it to a linear layer's in_features."
-    )
-
-
-def _peft_tuner_class() -> Optional[type]:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return None
-    return BaseTunerLayer
 
 
 class SelectivePolicy:
@@ -243,35 +99,12 @@ class SelectivePolicy:
 
     # -- install / remove -------------------------------------------------------------------------------
 
-    def _match_modules(self) -> Dict[str, List[nn.Module]]:
-        """For each ``save_modules`` entry, the modules whose matmuls it saves (PEFT layers resolved to
-        their ``base_layer``), only from inside the decoder layers."""
-        tuner = _peft_tuner_class()
-        matched: Dict[str, List[nn.Module]] = {entry: [] for entry in self.config.save_modules}
-        for layer in self.layers:
-            inside_tuner: set = set()
-            for module in layer.modules():
-                if module is layer or id(module) in inside_tuner:
-                    continue
-                if tuner is not None and isinstance(module, tuner):
-                    inside_tuner.update(id(m) for m in module.modules() if m is not module)
-                name = self._module_names.get(module)
-                if name is None:
-                    continue
-                for entry in matched:
-                    if _name_matches(name, entry):
-                        target = module
-                        if tuner is not None and isinstance(module, tuner):
-                            target = module.get_base_layer()
-                        matched[entry].append(target)
-        return matched
-
     def install(self) -> None:
         """Register the hooks that tell the policy which layer and which saved module is running."""
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
             self._handles.append(layer.register_forward_hook(self._exit_layer, always_call=True))
-        self.matched_modules = self._match_modules()
+        self.matched_modules = match_modules(self.layers, self.config.save_modules, self._module_names)
         for entry, modules in self.matched_modules.items():
             rule = self.module_rules[entry]
             rule.modules = len(modules)
@@ -320,7 +153,7 @@ class SelectivePolicy:
             rule = self.registered_rules[id(entry)] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
         return rule
 
-    def decide(self, region: _Region, func: Any, args: tuple, kwargs: dict, count: bool = True) -> Optional[RuleStats]:
+    def decide(self, region: Region, func: Any, args: tuple, kwargs: dict, count: bool = True) -> Optional[RuleStats]:
         """The rule that saves this op, or ``None`` to recompute it.
 
         Args:
@@ -420,9 +253,7 @@ class SelectivePolicy:
     def context_fn(self) -> Tuple[Any, Any]:
         """The eager ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
         layer = self._current_layer
-        region = _Region(
-            layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None
-        )
+        region = Region(layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None)
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             # torch < 2.13 asks again in the recompute (whether to take the op's output from the storage): the same
@@ -444,7 +275,7 @@ class SelectivePolicy:
         their policy about each op once, when it traces the graph, and the partitioner keeps what it must save; no
         mode of ours runs inside the compiled graph. The rules' matches are counted as they are traced (which rules
         match an op); what a recompute replays is not known there."""
-        region = _Region(None, None)  # one graph serves every layer of its code: no per-layer decision
+        region = Region(None, None)  # one graph serves every layer of its code: no per-layer decision
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             # MUST_SAVE for every rule: the partitioner takes PREFER_SAVE as a hint it may overrule. Counted: which
@@ -456,28 +287,28 @@ class SelectivePolicy:
         return create_selective_checkpoint_contexts(policy_fn)
 
     @contextlib.contextmanager
-    def dry_run(self, index: int) -> Iterator[_Region]:
+    def dry_run(self, index: int) -> Iterator[Region]:
         """Around a call of decoder layer ``index`` that runs without the policy: ``region.saved_bytes`` becomes what
         the policy would have saved in it. Counts nothing in the rules' statistics."""
-        region = _Region(index, self.layer_types[index] if index < len(self.layer_types) else None)
-        with _DryRunMode(self, region):
+        region = Region(index, self.layer_types[index] if index < len(self.layer_types) else None)
+        with DryRunMode(self.decide, region):
             yield region
 
     @contextlib.contextmanager
-    def _forward_context(self, region: _Region, storage: Any) -> Iterator[None]:
+    def _forward_context(self, region: Region, storage: Any) -> Iterator[None]:
         self._active.clear()  # a recompute stopped early can leave a module hook unbalanced
         self.regions += 1
-        with storage, _ForwardMode(self, region):
+        with storage, ForwardMode(region):
             yield
         if region.layer is not None:
             self.saved_ops_per_layer[region.layer] = Counter(name for _, _, name in region.saved)
             self.saved_bytes_per_layer[region.layer] = region.saved_bytes
 
     @contextlib.contextmanager
-    def _recompute_context(self, region: _Region, storage: Any) -> Iterator[None]:
+    def _recompute_context(self, region: Region, storage: Any) -> Iterator[None]:
         region.replayed_ops = 0
         try:
-            with storage, _RecomputeMode(region):
+            with storage, RecomputeMode(region):
                 yield
         finally:
             self._active.clear()
@@ -492,49 +323,9 @@ class SelectivePolicy:
     # -- diagnostics -------------------------------------------------------------------------------------
 
     def problems(self) -> List[str]:
-        """Rules that saved nothing useful so far, one sentence each. Under ``torch.compile``, what tracing tells:
-        the rules that matched no op in the graphs traced with this policy (none before a graph is traced: one
-        traced for an earlier run serves this one too); whether a recompute replays a save is not known there."""
-        if self.compiled:
-            return self._traced_problems()
-        found = [
-            _no_match(entry, f"{self.regions} checkpointed regions")
-            for entry, rule in self.save_rules.items()
-            if rule.matched_ops == 0
-        ]
-        for entry, rule in self.module_rules.items():
-            if rule.modules and rule.hook_calls == 0:
-                found.append(f"selective.save_modules entry {entry!r} matched {rule.modules} modules, but none ran.")
-            elif rule.saved and rule.replayed == 0:
-                found.append(
-                    f"selective.save_modules entry {entry!r} saved {rule.saved} matmul outputs that no recompute "
-                    "replayed: recompute stops at the last tensor backward needs (a layer's final projection, like "
-                    "down_proj, is never replayed), so this costs memory for nothing. "
-                    "Prefer o_proj, gate_proj or up_proj."
-                )
-        threshold = self.threshold_rule
-        if threshold is not None and threshold.saved == 0:
-            found.append(_no_matmul_reached(self.config.save_matmul_min_k, threshold.max_k))
-        elif threshold is not None and threshold.replayed == 0:
-            found.append(
-                f"selective.save_matmul_min_k: {self.config.save_matmul_min_k} saved {threshold.saved} matmul "
-                "outputs that no recompute replayed; they cost memory for nothing."
-            )
-        for rule in self.registered_rules.values():
-            if rule.saved and rule.replayed == 0 and not rule.mandatory:
-                found.append(f"{rule.label} saved {rule.saved} outputs that no recompute replayed.")
-        return found
-
-    def _traced_problems(self) -> List[str]:
-        """Under ``torch.compile``: the ``save`` entries and the matmul threshold that matched no op when the graphs
-        were traced (save_modules is refused there, and registered saves are the plugins' own)."""
-        if not self.traced_ops:
-            return []
-        found = [_no_match(e, "the traced graphs") for e, rule in self.save_rules.items() if rule.matched_ops == 0]
-        threshold = self.threshold_rule
-        if threshold is not None and threshold.matched_ops == 0:
-            found.append(_no_matmul_reached(self.config.save_matmul_min_k, threshold.max_k))
-        return found
+        """Rules that saved nothing useful so far, one sentence each
+        (:func:`~lightning_ac.selective.diagnostics.problems`)."""
+        return diagnostics.problems(self)
 
     def diagnose(self) -> None:
         """Warn once about each rule that saved nothing useful, and log what each layer saves (DEBUG)."""

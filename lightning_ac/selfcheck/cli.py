@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from lightning_ac._compat import TESTED
-from lightning_ac.selfcheck.registry import FEATURES
+from lightning_ac.release_gate import FEATURES
 from lightning_ac.selfcheck.runner import installed_releases, run_check
 from lightning_ac.selfcheck.verdict import IncompatibleReleaseError, SelfCheckError
 

@@ -11,7 +11,7 @@ from typing import Dict, Iterable, Iterator, Optional
 import torch
 
 import lightning_ac._compat as _compat
-from lightning_ac.selfcheck.registry import CHECKS, FEATURES
+from lightning_ac.release_gate import CHECKS, FEATURES
 from lightning_ac.selfcheck.verdict import (
     IncompatibleReleaseError,
     SelfCheckError,

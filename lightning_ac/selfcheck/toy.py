@@ -148,12 +148,12 @@ def checkpointed(
     reentrant: Optional[bool] = None,
     layer_checkpoint_fns: Optional[Sequence[Callable[..., Any]]] = None,
 ) -> Any:
-    """Checkpoint ``model``'s layers as the plan does (:meth:`lightning_ac.plan.Plan._install_recompute`): the
+    """Checkpoint ``model``'s layers as the plan does (:func:`lightning_ac.plan.recompute.install_recompute`): the
     recompute engine, a selective policy saving attention, the offload runtime's checkpoint function and storage, or
     a checkpoint function per layer (the memory budget's switches). Returns the policy, if any."""
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_ac.checkpoint import enable_hf_checkpointing, wrap_layers
+    from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
     from lightning_ac.config import ActivationCheckpointingConfig, SelectiveConfig
     from lightning_ac.selective.policy import SelectivePolicy
 
@@ -170,12 +170,13 @@ def checkpointed(
         policy.install()
     checkpoint_fn = runtime.wrap_checkpoint(checkpoint) if runtime is not None else checkpoint
     context_fn = policy.context_fn if policy is not None else None
+    settings = CheckpointSettings(config.checkpoint_kwargs, config.every_n_layers)
     if engine == "hf":
         recomputed = enable_hf_checkpointing(
-            layers.hf_models, layers.modules, config, context_fn, checkpoint_fn, layer_checkpoint_fns
+            layers.hf_models, layers.modules, settings, context_fn, checkpoint_fn, layer_checkpoint_fns
         )
     else:
-        recomputed = wrap_layers(layers.modules, config, context_fn, checkpoint_fn, layer_checkpoint_fns)
+        recomputed = wrap_layers(layers.modules, settings, context_fn, checkpoint_fn, layer_checkpoint_fns)
     if not all(recomputed):
         raise SelfCheckFailed(f"the {engine} engine checkpointed {sum(recomputed)} of {LAYERS} decoder layers")
     return policy

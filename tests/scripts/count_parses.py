@@ -9,10 +9,10 @@ import runpy
 import sys
 from pathlib import Path
 
-import lightning_ac.config
+import lightning_ac.config.block
 
 calls = []
-_original = lightning_ac.config._parse_block
+_original = lightning_ac.config.block._parse_block
 
 
 def _counting(value):
@@ -20,7 +20,7 @@ def _counting(value):
     return _original(value)
 
 
-lightning_ac.config._parse_block = _counting
+lightning_ac.config.block._parse_block = _counting
 run_dir = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir="))
 
 

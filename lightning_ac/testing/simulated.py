@@ -49,8 +49,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac.offload import device as _device
-from lightning_ac.offload.device import AsyncDevice
+from lightning_ac.offload.device import AsyncDevice, stand_in_for_cpu, transfers_are_synchronous
 
 __all__ = ["SimulatedDevice", "SimulatedDeviceError"]
 
@@ -235,11 +234,11 @@ class SimulatedDevice(AsyncDevice):
     # -- activation ---------------------------------------------------------------------------------------
 
     def __enter__(self) -> SimulatedDevice:
-        self._previous, _device._simulated = _device._simulated, self
+        self._previous = stand_in_for_cpu(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _device._simulated = self._previous
+        stand_in_for_cpu(self._previous)
         if exc[0] is None:
             self.synchronize()
 
@@ -358,14 +357,14 @@ class SimulatedDevice(AsyncDevice):
         stream.queue.append(copy)
         in_flight = len(stream.pending_copies())
         self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], in_flight)
-        if _device.transfers_are_synchronous():
+        if transfers_are_synchronous():
             stream.synchronize()  # the copy has run before the call that issued it returns
         elif self._inject("early_release"):
             copy.corrupt = True
 
     def _inject(self, fault: str) -> bool:
         """Whether to inject ``fault`` now (once; never into synchronous transfers, whose copies have run)."""
-        if fault in self.faults and not _device.transfers_are_synchronous():
+        if fault in self.faults and not transfers_are_synchronous():
             self.faults.remove(fault)
             return True
         return False

@@ -1,0 +1,222 @@
+"""The callbacks' typed requests: each suite callback turns its arguments into one, validated where it is built with
+the block's field parsers, and the plan merges them (:func:`merge_requests`) into one block, checked with the
+block's own rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from lightning_ac.config.block import mark_validated, parse_chunked_loss, parse_config
+from lightning_ac.config.fields import (
+    expected_error,
+    parse_bool,
+    parse_budget,
+    parse_count,
+    parse_first_plan,
+    parse_layers,
+    parse_placement,
+    parse_verify,
+    to_plain,
+)
+from lightning_ac.config.rules import check_combination, check_offload_targets
+from lightning_ac.config.schema import (
+    FIRST_PLAN_FIELD,
+    OFFLOAD_TARGETS,
+    ActivationCheckpointingConfig,
+    ConfigError,
+    OffloadConfig,
+)
+from lightning_ac.layers import LayerSpec
+from lightning_ac.units import DEFAULT_HOST_RESERVE_BYTES
+
+__all__ = [
+    "ActivationOffloadRequest",
+    "CheckpointingRequest",
+    "LayerOffloadRequest",
+    "decoder_layer_spec",
+    "merge_requests",
+]
+
+
+@dataclass
+class CheckpointingRequest:
+    """What :class:`~lightning_ac.ActivationCheckpointing` asks for.
+
+    Attributes:
+        config: The recompute part of the block (``offload`` left at none: offloading is another request).
+        layers: Layer classes or module-name globs, ``None`` to find transformers layers.
+    """
+
+    config: ActivationCheckpointingConfig
+    layers: Optional[List[LayerSpec]] = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        implementation: Any = "hf",
+        reentrant: Any = None,
+        kwargs: Any = None,
+        selective: Any = None,
+        layers: Any = None,
+        budget: Any = None,
+        chunked_loss: Any = None,
+        enabled: Any = True,
+        budget_first_plan: Any = None,
+    ) -> CheckpointingRequest:
+        """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
+        layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
+        if kwargs is not None and not isinstance(to_plain(kwargs), Mapping):
+            raise expected_error(
+                "ActivationCheckpointing(kwargs=...)", "a mapping of torch.utils.checkpoint arguments", kwargs
+            )
+        given_budget = budget
+        budget = parse_budget(budget, "ActivationCheckpointing(budget=...)")
+        chunked = parse_chunked_loss(chunked_loss, "ActivationCheckpointing(chunked_loss=...)")
+        enabled = parse_bool(enabled, "ActivationCheckpointing(enabled=...)")
+        recompute_only = {
+            "implementation": implementation if implementation != "hf" else None,
+            "reentrant": reentrant,
+            "kwargs": kwargs or None,
+            "selective": selective if selective is not False else None,
+            "layers": layers,
+            "budget": given_budget,
+            # "measure" is the default: only another value asks for something
+            "budget_first_plan": budget_first_plan if budget_first_plan not in (None, "measure") else None,
+        }
+        ignored = [name for name, value in recompute_only.items() if value is not None]
+        if not enabled and ignored:
+            given = ", ".join(f"{name}={recompute_only[name]!r}" for name in ignored)
+            raise ConfigError(
+                f"ActivationCheckpointing(enabled=False, {given}): enabled=False recomputes no decoder layer, and "
+                f"{', '.join(ignored)} {'says' if len(ignored) == 1 else 'say'} how to recompute them, so "
+                f"{'it' if len(ignored) == 1 else 'they'} would do nothing. Remove {', '.join(ignored)}, or set "
+                "enabled=True (the default) to recompute."
+            )
+        if not enabled and chunked is None:
+            raise ConfigError(
+                "ActivationCheckpointing(enabled=False) recomputes no decoder layer, and without chunked_loss it would "
+                "do nothing. Pass chunked_loss=True to compute the loss in chunks only, or remove the callback."
+            )
+        block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
+        block = {**block, "budget": budget, "chunked_loss": chunked, "enabled": enabled}
+        first_plan = parse_first_plan(budget_first_plan, f"ActivationCheckpointing({FIRST_PLAN_FIELD}=...)")
+        block[FIRST_PLAN_FIELD] = first_plan
+        return cls(parse_config(block), layers)
+
+    @classmethod
+    def from_config(cls, config: ActivationCheckpointingConfig) -> CheckpointingRequest:
+        """The recompute part of a block that :func:`parse_config` returned (not validated again)."""
+        return cls(mark_validated(dataclasses.replace(config, offload=OffloadConfig())))
+
+
+@dataclass
+class ActivationOffloadRequest:
+    """What :class:`~lightning_ac.ActivationOffload` asks for; validated when built.
+
+    Attributes:
+        offload: Where each target's tensors go.
+        copy_on_host: On a CPU device, still run the copies (tests, debugging).
+        min_offload_bytes: ``all`` leaves smaller tensors on the device.
+        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
+        host_reserve_bytes: Host memory left free.
+        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
+        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
+    """
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    copy_on_host: bool = False
+    min_offload_bytes: int = 2**16
+    max_pinned_bytes: int = 8 * 2**30
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES
+    verify_steps: int = 0
+    verify_atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "ActivationOffload"
+        self.offload = OffloadConfig(
+            **{t: parse_placement(getattr(self.offload, t), f"{where}({t}=...)") for t in OFFLOAD_TARGETS}
+        )
+        check_offload_targets(self.offload, where)
+        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
+        for name in ("min_offload_bytes", "max_pinned_bytes", "host_reserve_bytes"):
+            parse_count(getattr(self, name), f"{where}({name}=...)")
+        parse_verify(self, where)
+
+
+@dataclass
+class LayerOffloadRequest:
+    """What :class:`~lightning_ac.LayerOffload` asks for; validated when built.
+
+    Attributes:
+        layers: Layer classes or module-name globs, ``None`` to find transformers layers.
+        copy_on_host: On a CPU device, run the copies anyway (tests, debugging).
+        host_reserve_bytes: Host memory left free.
+        resident_layers: The last decoder layers (of each model) whose frozen weights stay on the device.
+        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
+        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
+    """
+
+    layers: Optional[List[LayerSpec]] = None
+    copy_on_host: bool = False
+    host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES
+    resident_layers: int = 0
+    verify_steps: int = 0
+    verify_atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "LayerOffload"
+        self.layers = parse_layers(self.layers, f"{where}(layers=...)")
+        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
+        parse_count(self.host_reserve_bytes, f"{where}(host_reserve_bytes=...)")
+        parse_count(
+            self.resident_layers,
+            f"{where}(resident_layers=...)",
+            fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
+        )
+        parse_verify(self, where)
+
+
+def merge_requests(
+    checkpointing: Optional[CheckpointingRequest],
+    activation_offload: Optional[ActivationOffloadRequest],
+    layer_offload: Optional[LayerOffloadRequest] = None,
+) -> ActivationCheckpointingConfig:
+    """The block that the requests of one Trainer add up to, checked with the block's own rules.
+
+    Raises:
+        ConfigError: If the requests do not combine (an offload target that needs checkpointing without it,
+            ``offload.selective`` without ``selective``...).
+    """
+    offload = activation_offload.offload if activation_offload is not None else OffloadConfig()
+    if checkpointing is None:
+        needs = offload.needs_checkpointing
+        if needs:
+            arguments = ", ".join(f"{t}='cpu'" for t in needs)
+            raise ConfigError(
+                f"ActivationOffload({arguments}) acts on checkpointed decoder layers, but the Trainer has no "
+                "ActivationCheckpointing. Add ActivationCheckpointing() to the callbacks, or use "
+                "ActivationOffload(all='cpu') to offload without recompute."
+            )
+        base = ActivationCheckpointingConfig(enabled=False)
+    else:
+        base = checkpointing.config
+    cfg = dataclasses.replace(base, offload=offload)
+    check_combination(cfg)
+    return mark_validated(cfg)
+
+
+def decoder_layer_spec(
+    checkpointing: Optional[CheckpointingRequest], layer_offload: Optional[LayerOffloadRequest]
+) -> Optional[List[LayerSpec]]:
+    """``layers=`` as given to ActivationCheckpointing, else to LayerOffload (they must agree)."""
+    given = [r.layers for r in (checkpointing, layer_offload) if r is not None and r.layers is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(
+            f"ActivationCheckpointing(layers={given[0]!r}) and LayerOffload(layers={given[1]!r}) name different "
+            "decoder layers. Pass layers= to one of them, or the same value to both."
+        )
+    return given[0] if given else None

@@ -1,0 +1,79 @@
+"""What a selective policy's rules did, turned into problems a user can act on: a ``save`` entry that matched no
+op, a ``save_modules`` entry whose modules never ran or whose saves no recompute replayed, a matmul threshold no
+matmul reached."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+__all__ = ["no_match", "no_matmul_reached", "problems", "traced_problems"]
+
+# ``policy`` below is a SelectivePolicy, read for its rules' statistics (typed Any: the policy imports this module)
+
+
+def no_match(entry: str, where: str) -> str:
+    """The problem of a ``save`` entry that matched no op in ``where``."""
+    hint = (
+        "no attention kernel ran (eager attention is bmm + softmax, which `attention` does not name)"
+        if entry == "attention"
+        else "no op's qualified name contains it"
+    )
+    return (
+        f"selective.save entry {entry!r} matched no op in {where}: {hint}. "
+        "Ops are matched at the dispatcher level as substrings of names like 'aten::mm'."
+    )
+
+
+def no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
+    """The problem of a ``save_matmul_min_k`` that no matmul reached."""
+    return (
+        f"selective.save_matmul_min_k: {min_k} saved nothing: no matmul reached K >= {min_k} (largest K seen: "
+        f"{max_k}). Lower it to a linear layer's in_features."
+    )
+
+
+def problems(policy: Any) -> List[str]:
+    """The rules of ``policy`` that saved nothing useful so far, one sentence each. Under ``torch.compile``, what
+    tracing tells: the rules that matched no op in the graphs traced with this policy (none before a graph is traced:
+    one traced for an earlier run serves this one too); whether a recompute replays a save is not known there."""
+    if policy.compiled:
+        return traced_problems(policy)
+    found = [
+        no_match(entry, f"{policy.regions} checkpointed regions")
+        for entry, rule in policy.save_rules.items()
+        if rule.matched_ops == 0
+    ]
+    for entry, rule in policy.module_rules.items():
+        if rule.modules and rule.hook_calls == 0:
+            found.append(f"selective.save_modules entry {entry!r} matched {rule.modules} modules, but none ran.")
+        elif rule.saved and rule.replayed == 0:
+            found.append(
+                f"selective.save_modules entry {entry!r} saved {rule.saved} matmul outputs that no recompute "
+                "replayed: recompute stops at the last tensor backward needs (a layer's final projection, like "
+                "down_proj, is never replayed), so this costs memory for nothing. "
+                "Prefer o_proj, gate_proj or up_proj."
+            )
+    threshold = policy.threshold_rule
+    if threshold is not None and threshold.saved == 0:
+        found.append(no_matmul_reached(policy.config.save_matmul_min_k, threshold.max_k))
+    elif threshold is not None and threshold.replayed == 0:
+        found.append(
+            f"selective.save_matmul_min_k: {policy.config.save_matmul_min_k} saved {threshold.saved} matmul "
+            "outputs that no recompute replayed; they cost memory for nothing."
+        )
+    for rule in policy.registered_rules.values():
+        if rule.saved and rule.replayed == 0 and not rule.mandatory:
+            found.append(f"{rule.label} saved {rule.saved} outputs that no recompute replayed.")
+    return found
+
+
+def traced_problems(policy: Any) -> List[str]:
+    """Under ``torch.compile``: the ``save`` entries and the matmul threshold that matched no op when the graphs
+    were traced (save_modules is refused there, and registered saves are the plugins' own)."""
+    if not policy.traced_ops:
+        return []
+    found = [no_match(e, "the traced graphs") for e, rule in policy.save_rules.items() if rule.matched_ops == 0]
+    threshold = policy.threshold_rule
+    if threshold is not None and threshold.matched_ops == 0:
+        found.append(no_matmul_reached(policy.config.save_matmul_min_k, threshold.max_k))
+    return found
