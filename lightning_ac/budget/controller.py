@@ -21,7 +21,12 @@ peak, correct it until it holds, and settle.
    checks it like any choice. A step over the budget is corrected and said.
 
 Under DDP and FSDP every rank must recompute the same layers: measurements are reduced (the largest) across the
-ranks before a choice is made, and the token count of each step is agreed the same way.
+ranks before a choice is made, and the token count of each step is agreed the same way
+(:mod:`lightning_ac.budget.ranks`).
+
+This module holds the loop; what the measured steps leave in the figures is :mod:`lightning_ac.budget.figures`, and
+what the budget says (its line, the per-layer report, metrics, the advice when nothing fits)
+:mod:`lightning_ac.budget.report`.
 """
 
 from __future__ import annotations
@@ -30,43 +35,31 @@ import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_ac._logging import rank_zero_info, rank_zero_warn
+from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
-from lightning_ac.budget.measure import LayerMeter, LayerReading, held_bytes, shape_of_work
+from lightning_ac.budget.figures import FigureBook, scaled_figures
+from lightning_ac.budget.measure import LayerMeter, held_bytes, shape_of_work
+from lightning_ac.budget.ranks import AUTO_MARGIN, agree, auto_budget
+from lightning_ac.budget.report import BudgetReport
 from lightning_ac.budget.switch import LayerSwitch
 from lightning_ac.config import AUTO
-from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
 
 __all__ = ["BudgetController", "AUTO_MARGIN", "MAX_CORRECTIONS"]
 
-# budget: auto leaves this fraction of the device's memory free (fragmentation, the allocator's rounding, other
-# processes' growth)
-AUTO_MARGIN = 0.10
 # Corrections before the plan falls back to recomputing every layer.
 MAX_CORRECTIONS = 4
 # A correction aims this fraction of the budget below it, so that step-to-step noise does not cross it again.
 SLACK = 0.01
-# The output head's working set at its backward, as a multiple of what it saves: the saved tensors (the logits'
-# log-softmax, the head's input) and, as its backward runs, gradients of the same sizes.
-HEAD_FACTOR = 2
-# Before the save rules have run in a layer, their time is guessed at this fraction of a whole recompute: low enough
-# that they are tried wherever they fit, and measured in the step that runs them.
-SELECTIVE_GUESS = 0.5
-# The nothing-fits advice names chunked_loss where the output head holds more than this share of the peak.
-HEAD_ADVICE_SHARE = 0.25
-# Figures measured at more tokens that differ from the scaled ones by more than this do not scale linearly.
-LINEAR_TOLERANCE = 0.10
 
 _MEASURE, _CHECK, _SETTLED = "measure", "check", "settled"
 
 
-class BudgetController:
+class BudgetController(FigureBook, BudgetReport):
     """Decides, step by step until it settles, which decoder layers keep their activations under a memory budget.
 
     Args:
@@ -196,7 +189,7 @@ class BudgetController:
         self._fake = fake
         self.in_step, self._first_call = True, True
         if self.budget_bytes is None:
-            self.budget_bytes = self._auto_budget()
+            self.budget_bytes = auto_budget(self.device)
         if self.phase == _MEASURE:
             self._set([Choice.recompute] * len(self.switches))
             self.meter.dry = self.policy is not None
@@ -392,7 +385,7 @@ class BudgetController:
             "figures scaled per token, and measuring the layers in this step"
         )
         self._rescaled_from = self.figures
-        self.figures = [_scaled(f, ratio) for f in self.figures]
+        self.figures = [scaled_figures(f, ratio) for f in self.figures]
         self._calibrations = {shape: int(value * ratio) for shape, value in self._calibrations.items()}
         self.calibration = int(self.calibration * ratio)
         # the choices measured at fewer tokens say nothing about these: the loop starts again
@@ -406,159 +399,6 @@ class BudgetController:
             self.meter.dry = self.policy is not None
             self.meter.start()
             self.meter.note_tokens(args)
-
-    def _take_figures(self, readings: List[LayerReading], alike_times: bool = False) -> None:
-        """The measured layers' figures, the bytes outside them and the head's. ``alike_times``: alike layers take
-        their mean time (a step on fake tensors, whose times are the host's for ops that computed nothing)."""
-        values = self._agree(
-            [
-                v
-                for r in readings
-                for v in (r.saved_bytes, r.input_bytes, r.input_saved_bytes, r.rule_bytes, r.forward_seconds)
-            ]
-        )
-        agreed = [
-            LayerReading(
-                saved_bytes=int(values[5 * i]),
-                input_bytes=int(values[5 * i + 1]),
-                input_saved_bytes=int(values[5 * i + 2]),
-                rule_bytes=int(values[5 * i + 3]),
-                forward_seconds=values[5 * i + 4],
-            )
-            for i in range(len(readings))
-        ]
-        selective = self.policy is not None
-        figures = [r.figures(self.input_held, self.rules_held, selective) for r in agreed]
-        self.figures = figures
-        if selective:
-            self.selective_measured = [False] * len(figures)
-        if alike_times:
-            self._time_alike_as_one([f.recompute_seconds for f in figures])
-        self._guess_selective()
-        tokens, outside, head = self._agree([self.meter.tokens, self.meter.outside_bytes, self.meter.head_bytes])
-        self.tokens, self.outside_bytes = int(tokens), int(outside)
-        self.head_bytes = int(HEAD_FACTOR * head)
-
-    def _split_head(self, peak: int) -> None:
-        """From the measuring step (every layer recomputed): the output head's working set is the larger of its
-        forward's peak (from the last layer's forward to backward) and its backward's (until backward reached the
-        layers), less what was held then (every layer's input, and what was saved outside them); the layers'
-        positions take what their figures do not see from the step's peak, where it is theirs. Without a chunked
-        loss the head's backward holds more (the logits and their gradient); with it, its forward does (each chunk's
-        logits and their gradient are computed there, and backward only scales what they left)."""
-        assert self.figures is not None
-        head_peak, forward_peak = self._head_peak, self._head_forward_peak
-        self._head_peak = self._head_forward_peak = None
-        if head_peak is None:
-            return  # no recompute reached (a step without backward): the head's saved bytes stand
-        head_peak, forward_peak = (int(v) for v in self._agree([head_peak, forward_peak or 0]))
-        everything = [Choice.recompute] * len(self.figures)
-        held = self.outside_bytes + sum(f.input_bytes for f in self.figures)
-        layers_peak = estimate(self.figures, everything, self.outside_bytes, 0)[0]  # without the head
-        layer_extra = max(0, peak - layers_peak) if peak > max(head_peak, forward_peak) else 0
-        self.head_bytes = max(0, max(head_peak, forward_peak) - held - layer_extra)
-
-    def _retime(self, readings: List[LayerReading]) -> None:
-        """The first real step after a plan from fake tensors: each layer's recompute time is its forward's, on the
-        device's clock (the fake step's are the host's time for ops that computed nothing). A layer that ran the save
-        rules has no whole forward to time (its forward ran the policy too): it takes its alike layers' time, or,
-        where every alike layer ran them, its own forward's (no figure stays on the host's clock)."""
-        seconds = self._agree([r.forward_seconds for r in readings])
-        whole = [None if c is Choice.selective else s for c, s in zip(self.choices, seconds)]
-        self._time_alike_as_one(whole, fallback=seconds)
-        self._guess_selective()  # the first guess, on this clock
-
-    def _time_alike_as_one(self, seconds: List[Optional[float]], fallback: Optional[List[float]] = None) -> None:
-        """Set each layer's recompute time to the mean of ``seconds`` over its alike layers (the same attention type
-        and byte figures; ``None``: not timed), or of ``fallback`` where none of them was. Alike layers cost alike:
-        their times differ by the clock's noise alone, which would otherwise pick which of them to keep, and, when
-        the first real step after an estimate retimes them, move the plan to another alike layer in a correction
-        that changes nothing but the step it costs. With one time, the choice between them is the same on every
-        clock."""
-        assert self.figures is not None
-        keys = [
-            (kind, f.saved_bytes, f.input_bytes, f.input_saved_bytes) for kind, f in zip(self.layer_types, self.figures)
-        ]
-
-        def means(values: Sequence[Optional[float]]) -> Dict[Any, float]:
-            timed: Dict[Any, List[float]] = {}
-            for key, value in zip(keys, values):
-                if value is not None:
-                    timed.setdefault(key, []).append(value)
-            return {key: sum(times) / len(times) for key, times in timed.items()}
-
-        mean = {**means(fallback or []), **means(seconds)}
-        for index, key in enumerate(keys):
-            if key in mean:
-                self.figures[index] = dataclasses.replace(self.figures[index], recompute_seconds=mean[key])
-
-    def _guess_selective(self) -> None:
-        """With save rules, each layer whose selective figures were not measured yet gets a first guess from its
-        recompute time, so that the rules are tried where they fit; the step that runs them measures."""
-        assert self.figures is not None
-        if self.policy is None:
-            return
-        for index, figures in enumerate(self.figures):
-            if not self.selective_measured[index]:
-                guess = SELECTIVE_GUESS * figures.recompute_seconds
-                self.figures[index] = dataclasses.replace(figures, selective_seconds=guess)
-
-    def _trying_rules(self) -> bool:
-        """Whether this step runs the save rules in a layer whose selective figures are still a guess."""
-        return any(c is Choice.selective and not m for c, m in zip(self.choices, self.selective_measured))
-
-    def _take_selective(self, readings: List[LayerReading]) -> None:
-        """After a step that ran the save rules in layers with guessed figures: their measured figures, and for the
-        other layers of the same type, the measured layers' time relative to a whole recompute."""
-        assert self.figures is not None
-        trying = [i for i, c in enumerate(self.choices) if c is Choice.selective and not self.selective_measured[i]]
-        measured = [readings[i] for i in trying]
-        values = self._agree([v for r in measured for v in (r.forward_seconds, r.recompute_seconds, r.rule_bytes)])
-        ratios: Dict[Any, List[float]] = {}
-        for k, index in enumerate(trying):
-            forward, recompute, kept = values[3 * k : 3 * k + 3]
-            before = self.figures[index]
-            # the save rules' cost: what their policy adds to the forward, and the partial recompute
-            seconds = max(0.0, forward - before.recompute_seconds) + recompute
-            held = before.input_bytes + (int(kept) if self.rules_held else 0)
-            self.figures[index] = dataclasses.replace(before, selective_seconds=seconds, selective_bytes=held)
-            self.selective_measured[index] = True
-            if before.recompute_seconds > 0:
-                ratios.setdefault(self.layer_types[index], []).append(seconds / before.recompute_seconds)
-        for index, figures in enumerate(self.figures):
-            found = ratios.get(self.layer_types[index])
-            if not self.selective_measured[index] and found:
-                ratio = sum(found) / len(found)
-                self.figures[index] = dataclasses.replace(figures, selective_seconds=ratio * figures.recompute_seconds)
-                self.selective_measured[index] = True
-
-    def _check_scaling(self, readings: List[LayerReading]) -> None:
-        """After a step re-planned for more tokens: the measured figures replace the scaled ones; if they differ
-        by more than :data:`LINEAR_TOLERANCE`, say that this model's activations do not scale per token."""
-        scaled = self.figures or []
-        measured_rules, head = self.selective_measured, self.head_bytes
-        self._rescaled_from = None
-        choices = self.choices
-        self._take_figures(readings)
-        self.head_bytes = head  # measured in the first step and scaled: this step did not split the head's peak off
-        assert self.figures is not None
-        for index, (before, choice) in enumerate(zip(scaled, choices)):
-            # the save rules' time is what was measured, scaled; a layer that ran them saved part of its
-            # activations past the hooks, so its whole-layer figures stay the scaled ones
-            kept = dict(selective_seconds=before.selective_seconds)
-            if choice is Choice.selective:
-                kept.update(saved_bytes=before.saved_bytes, input_saved_bytes=before.input_saved_bytes)
-            self.figures[index] = dataclasses.replace(self.figures[index], **kept)
-        self.selective_measured = measured_rules
-        measured = sum(f.saved_bytes for f in self.figures or [])
-        expected = sum(f.saved_bytes for f in scaled)
-        if expected and abs(measured - expected) > LINEAR_TOLERANCE * expected:
-            rank_zero_info(
-                f"budget: the {self.noun}' saved activations did not scale linearly with the tokens "
-                f"({format_bytes(measured)} measured, {format_bytes(expected)} scaled): the plan uses the measured "
-                "figures from here on"
-            )
-        self._choose()
 
     def _check(self, peak: int, first: bool = False, measuring: bool = False) -> None:
         """A measured step under the current choices: calibrate on it, choose again, and settle once the choice
@@ -638,35 +478,6 @@ class BudgetController:
             self.phase = _SETTLED
             rank_zero_info(self._summary())
 
-    def _warn_over(self, peak: int, when: str) -> None:
-        assert self.budget_bytes is not None
-        rank_zero_warn(
-            f"budget {format_bytes(self.budget_bytes)}: the step's activation peak is {format_bytes(peak)} {when}, "
-            f"over the budget; training goes on recomputing every layer. To lower the peak further: {self._advice()}."
-        )
-
-    def _advice(self) -> str:
-        """What lowers the activation peak below every layer recomputed, in this configuration. (Layer offloading
-        is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
-        ways = []
-        big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
-        chunks = self.head_chunks() if self.head_chunks is not None else None
-        if self.head_chunkable and big_head:
-            ways.append(
-                f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
-                " of it; the loss a chunk of tokens at a time holds a chunk's)"
-            )
-        elif chunks is not None and chunks[0] >= chunks[1] and big_head:
-            ways.append(
-                f"chunked_loss.chunk_tokens below the step's {chunks[1]} tokens (the loss ran as one chunk of "
-                f"{chunks[0]} tokens, whose logits and gradient hold {format_bytes(self.head_bytes)} of the peak; "
-                f"chunk_tokens: auto takes at least {MIN_AUTO_CHUNK_TOKENS}, so give a number)"
-            )
-        if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
-            ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
-        ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
-        return ", or ".join(ways)
-
     def _set(self, choices: List[Choice]) -> None:
         changed = choices != self.choices
         for switch, choice in zip(self.switches, choices):
@@ -674,95 +485,6 @@ class BudgetController:
         if changed and self.on_change is not None:
             self.on_change(choices)
 
-    def _summary(self) -> str:
-        choices = self.choices
-        n = len(choices)
-        kept = choices.count(Choice.keep)
-        selective = choices.count(Choice.selective)
-        recomputed = choices.count(Choice.recompute)
-        assert self.budget_bytes is not None
-        estimated = self.estimated_peak
-        figures = self.figures or []
-        seconds = sum(f.cost(c)[2] for f, c in zip(figures, choices))
-        share = f"{100 * seconds / self.full_seconds:.0f}%" if self.full_seconds else "n/a"
-        parts = [f"keeping {kept}/{n} {self.noun}"]
-        if selective:
-            parts.append(f"selective in {selective}")
-        parts.append(f"recomputing {recomputed}")
-        measured = f", measured {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
-        return (
-            f"budget {format_bytes(self.budget_bytes)}: {', '.join(parts)} (estimated peak "
-            f"{format_bytes(estimated or 0)}{measured}; recompute {share} of full's)"
-        )
-
-    def describe_layer(self, index: int) -> str:
-        """The layer's choice and figures, for the per-layer report."""
-        choice = self.switches[index].choice.value
-        if self.figures is None:
-            return f"{choice} (measuring)"
-        f = self.figures[index]
-        return f"{choice}: saves {format_bytes(f.saved_bytes)}, recompute {1000 * f.recompute_seconds:.1f} ms"
-
-    def metrics(self) -> Dict[str, float]:
-        """What the run logs each step."""
-        found = {
-            "lightning_ac/budget_bytes": float(self.budget_bytes or 0),
-            "lightning_ac/budget_recomputed_layers": float(sum(c is not Choice.keep for c in self.choices)),
-        }
-        if self.estimated_peak is not None:
-            found["lightning_ac/budget_estimated_peak_bytes"] = float(self.estimated_peak)
-        if self.measured_peak is not None:
-            found["lightning_ac/budget_measured_peak_bytes"] = float(self.measured_peak)
-        return found
-
-    def summary(self) -> Dict[str, Any]:
-        """The plan as plain data (the main job's ``summary.json``)."""
-        return {
-            "budget_bytes": self.budget_bytes,
-            "choices": [c.value for c in self.choices],
-            "estimated_peak_bytes": self.estimated_peak,
-            "measured_peak_bytes": self.measured_peak,
-            "settled": self.settled,
-            "corrections": self.corrections,
-            "line": self._summary() if self.budget_bytes is not None else None,
-        }
-
-    # -- helpers ----------------------------------------------------------------------------------------------
-
-    def _auto_budget(self) -> int:
-        """The device memory free now, plus what the allocator holds unused, less :data:`AUTO_MARGIN` of the
-        total."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = int(free + cached - AUTO_MARGIN * total)
-        rank_zero_info(
-            f"budget auto: {format_bytes(budget)} (free {format_bytes(free + cached)} of {format_bytes(total)}, less "
-            f"{AUTO_MARGIN:.0%} of it)"
-        )
-        return max(budget, 1)
-
     def _agree(self, values: List[float]) -> List[float]:
-        """``values`` as every rank sees them: the largest of each across the ranks (as they are without any)."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return values
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        device = self.device if dist.get_backend() != "gloo" else torch.device("cpu")
-        with unset_fake_temporarily():  # in the fake step too, the ranks agree on real numbers
-            tensor = torch.tensor(values, dtype=torch.float64, device=device)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-            return tensor.tolist()
-
-
-def _scaled(figures: LayerFigures, ratio: float) -> LayerFigures:
-    def scale(value: Any) -> Any:
-        return None if value is None else type(value)(value * ratio)
-
-    return LayerFigures(
-        saved_bytes=scale(figures.saved_bytes),
-        input_bytes=scale(figures.input_bytes),
-        recompute_seconds=scale(figures.recompute_seconds),
-        input_saved_bytes=scale(figures.input_saved_bytes),
-        selective_bytes=scale(figures.selective_bytes),
-        selective_seconds=scale(figures.selective_seconds),
-    )
+        """``values`` as every rank sees them (:func:`~lightning_ac.budget.ranks.agree`)."""
+        return agree(values, self.device)

@@ -1,0 +1,104 @@
+"""What the memory budget says: its settled line, the per-layer report, the metrics the run logs, the summary the
+main job writes, and the advice when nothing fits."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from lightning_ac._logging import rank_zero_warn
+from lightning_ac.budget.choice import Choice
+from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS
+from lightning_ac.units import format_bytes
+
+__all__ = ["BudgetReport", "HEAD_ADVICE_SHARE"]
+
+# The nothing-fits advice names chunked_loss where the output head holds more than this share of the peak.
+HEAD_ADVICE_SHARE = 0.25
+
+
+class BudgetReport:
+    """The reporting part of :class:`~lightning_ac.budget.controller.BudgetController` (a mixin over its state)."""
+
+    choices: List[Choice]
+
+    def _warn_over(self, peak: int, when: str) -> None:
+        assert self.budget_bytes is not None
+        rank_zero_warn(
+            f"budget {format_bytes(self.budget_bytes)}: the step's activation peak is {format_bytes(peak)} {when}, "
+            f"over the budget; training goes on recomputing every layer. To lower the peak further: {self._advice()}."
+        )
+
+    def _advice(self) -> str:
+        """What lowers the activation peak below every layer recomputed, in this configuration. (Layer offloading
+        is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
+        ways = []
+        big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
+        chunks = self.head_chunks() if self.head_chunks is not None else None
+        if self.head_chunkable and big_head:
+            ways.append(
+                f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
+                " of it; the loss a chunk of tokens at a time holds a chunk's)"
+            )
+        elif chunks is not None and chunks[0] >= chunks[1] and big_head:
+            ways.append(
+                f"chunked_loss.chunk_tokens below the step's {chunks[1]} tokens (the loss ran as one chunk of "
+                f"{chunks[0]} tokens, whose logits and gradient hold {format_bytes(self.head_bytes)} of the peak; "
+                f"chunk_tokens: auto takes at least {MIN_AUTO_CHUNK_TOKENS}, so give a number)"
+            )
+        if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
+            ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
+        ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
+        return ", or ".join(ways)
+
+    def _summary(self) -> str:
+        choices = self.choices
+        n = len(choices)
+        kept = choices.count(Choice.keep)
+        selective = choices.count(Choice.selective)
+        recomputed = choices.count(Choice.recompute)
+        assert self.budget_bytes is not None
+        estimated = self.estimated_peak
+        figures = self.figures or []
+        seconds = sum(f.cost(c)[2] for f, c in zip(figures, choices))
+        share = f"{100 * seconds / self.full_seconds:.0f}%" if self.full_seconds else "n/a"
+        parts = [f"keeping {kept}/{n} {self.noun}"]
+        if selective:
+            parts.append(f"selective in {selective}")
+        parts.append(f"recomputing {recomputed}")
+        measured = f", measured {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
+        return (
+            f"budget {format_bytes(self.budget_bytes)}: {', '.join(parts)} (estimated peak "
+            f"{format_bytes(estimated or 0)}{measured}; recompute {share} of full's)"
+        )
+
+    def describe_layer(self, index: int) -> str:
+        """The layer's choice and figures, for the per-layer report."""
+        choice = self.switches[index].choice.value
+        if self.figures is None:
+            return f"{choice} (measuring)"
+        f = self.figures[index]
+        return f"{choice}: saves {format_bytes(f.saved_bytes)}, recompute {1000 * f.recompute_seconds:.1f} ms"
+
+    def metrics(self) -> Dict[str, float]:
+        """What the run logs each step."""
+        found = {
+            "lightning_ac/budget_bytes": float(self.budget_bytes or 0),
+            "lightning_ac/budget_recomputed_layers": float(sum(c is not Choice.keep for c in self.choices)),
+        }
+        if self.estimated_peak is not None:
+            found["lightning_ac/budget_estimated_peak_bytes"] = float(self.estimated_peak)
+        if self.measured_peak is not None:
+            found["lightning_ac/budget_measured_peak_bytes"] = float(self.measured_peak)
+        return found
+
+    def summary(self) -> Dict[str, Any]:
+        """The plan as plain data (the main job's ``summary.json``)."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "choices": [c.value for c in self.choices],
+            "estimated_peak_bytes": self.estimated_peak,
+            "measured_peak_bytes": self.measured_peak,
+            "settled": self.settled,
+            "corrections": self.corrections,
+            "line": self._summary() if self.budget_bytes is not None else None,
+        }
