@@ -252,7 +252,6 @@ STILL_TO_SPLIT = {
     "lightning_ac/offload/weights.py",
     "lightning_ac/budget/controller.py",
     "lightning_ac/testing/simulated.py",
-    "lightning_ac/estimate/step.py",
 }
 MAX_FILE_LINES, MAX_CLASS_LINES = 400, 300
 

@@ -15,6 +15,7 @@ __all__ = [
     "PRESETS_DIR",
     "EstimateError",
     "Training",
+    "fake_op_error",
     "build_model",
     "describe",
     "load_config",
@@ -269,3 +270,30 @@ def count(number: int, digits: int) -> str:
         if round(number / scale, digits) >= 1:  # 999,999,999 is 1.00 B, not 1000.00 M
             return f"{number / scale:.{digits}f} {unit}"
     return str(number)
+
+
+def fake_op_error(err: BaseException, mode: str, op: Any) -> Optional[EstimateError]:
+    """An op fake tensors cannot run, as an error naming it and the mode; ``None`` for other errors."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, UnsupportedOperatorException):
+        why = "has no fake (meta) implementation"
+    elif isinstance(err, DynamicOutputShapeException):
+        why = "has an output whose shape depends on the data"
+    elif isinstance(err, DataDependentOutputException):
+        why = "needs the values of a tensor (data-dependent control flow)"
+    elif op is not None or "fake impl" in text:
+        why = f"failed on fake tensors ({type(err).__name__}: {text[:300]})"
+    else:
+        return None
+    op = getattr(err, "func", None) or op
+    return EstimateError(
+        f"mode {mode}: the op {op or 'a custom op'} {why}, so the step cannot run on fake tensors. A custom or Triton "
+        "kernel needs a fake implementation (torch.library.register_fake); a model that branches on tensor values "
+        "cannot be estimated this way."
+    )

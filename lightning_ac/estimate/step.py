@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_ac.estimate.models import EstimateError, Training, build_model, pack_four_bit
+from lightning_ac.estimate.flops import flop_registry
+from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error, pack_four_bit
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
@@ -32,25 +33,6 @@ __all__ = ["OPTIMIZERS", "fake_step", "flop_registry"]
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
-
-
-def flop_registry() -> Dict[Any, Callable[..., int]]:
-    """``torch.utils.flop_counter``'s formulas, and the CPU's flash-attention kernels, which it has none for (the
-    same count as CUDA's flash kernel: what the target runs)."""
-    from torch.utils import flop_counter as fc
-
-    registry = dict(fc.flop_registry)
-    aten = torch.ops.aten
-
-    def cpu_flash(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        return fc.sdpa_flop_count(query.shape, key.shape, value.shape)
-
-    def cpu_flash_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-        return fc.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-    registry[aten._scaled_dot_product_flash_attention_for_cpu] = cpu_flash
-    registry[aten._scaled_dot_product_flash_attention_for_cpu_backward] = cpu_flash_backward
-    return registry
 
 
 class _InPlace(SingleDeviceStrategy):
@@ -238,33 +220,6 @@ def _engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
             yield
 
 
-def _fake_op_error(err: BaseException, mode: str, op: Any) -> Optional[EstimateError]:
-    """An op fake tensors cannot run, as an error naming it and the mode; ``None`` for other errors."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    )
-
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if isinstance(err, UnsupportedOperatorException):
-        why = "has no fake (meta) implementation"
-    elif isinstance(err, DynamicOutputShapeException):
-        why = "has an output whose shape depends on the data"
-    elif isinstance(err, DataDependentOutputException):
-        why = "needs the values of a tensor (data-dependent control flow)"
-    elif op is not None or "fake impl" in text:
-        why = f"failed on fake tensors ({type(err).__name__}: {text[:300]})"
-    else:
-        return None
-    op = getattr(err, "func", None) or op
-    return EstimateError(
-        f"mode {mode}: the op {op or 'a custom op'} {why}, so the step cannot run on fake tensors. A custom or Triton "
-        "kernel needs a fake implementation (torch.library.register_fake); a model that branches on tensor values "
-        "cannot be estimated this way."
-    )
-
-
 def _features(mode: Mode) -> List[str]:
     from lightning_ac import release_gate
     from lightning_ac.config import parse_config
@@ -360,7 +315,7 @@ def fake_step(
         except ConfigError as err:
             raise EstimateError(f"mode {mode.name}: {err}") from err
         except Exception as err:
-            fake = _fake_op_error(err, mode.name, tracker.op_that_raised(err))
+            fake = fake_op_error(err, mode.name, tracker.op_that_raised(err))
             if fake is not None:
                 raise fake from err
             raise
