@@ -5,7 +5,7 @@ their combination) and applies it; the others find it applied. Removal happens o
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -13,17 +13,11 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.first_plan import plan_from_fake_step
-from lightning_ac.config import (
-    ConfigError,
-    parse_bool,
-)
+from lightning_ac.config import ConfigError, parse_bool
 from lightning_ac.plan import Plan
 from lightning_ac.report import render_layer_table
 
 __all__ = ["SuiteCallback"]
-
-
-_C = TypeVar("_C", bound="SuiteCallback")
 
 
 class SuiteCallback(Callback):
