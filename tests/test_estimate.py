@@ -302,7 +302,7 @@ def _caller_state():
 
     import lightning_ac.offload.device as device
     import lightning_ac.offload.engine as engine
-    import lightning_ac.offload.weights as weights
+    import lightning_ac.offload.weights.residency as weights
 
     return {
         "torch rng": torch.get_rng_state(),
@@ -315,7 +315,7 @@ def _caller_state():
         "dispatch modes": len(_get_current_dispatch_mode_stack()),
         "stand-ins": list(device._plain_standins),
         "host limits": (engine.host_limit, weights.host_limit),
-        "engines": (engine.TransferEngine.__dict__["_host_buffer"], weights.LayerWeightStreamer.__dict__["_load"]),
+        "engines": (engine.TransferEngine.__dict__["_host_buffer"], weights.LayerResidency.__dict__["_load"]),
         "loggers": [logging.getLogger(n).level for n in ("lightning.pytorch", "lightning_ac", "transformers")],
         "warning filters": list(warnings.filters),
     }

@@ -139,7 +139,7 @@ class BetweenSteps(pl.Callback):
         self.checks: list = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_ac.offload.weights import _holds
+        from lightning_ac.offload.weights.slots import holds as _holds
 
         state = pl_module.state_dict()
         streamer = self.callback.plan.weight_streamer

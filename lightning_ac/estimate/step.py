@@ -202,10 +202,10 @@ def _engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
     """What the copy engines allocate as host memory (activation offloading's host buffers) and as streamed weights
     (layer offloading's device copies of a layer) is counted as such."""
     from lightning_ac.offload.engine import TransferEngine
-    from lightning_ac.offload.weights import LayerWeightStreamer
+    from lightning_ac.offload.weights.residency import LayerResidency
 
     host_buffer = TransferEngine.__dict__["_host_buffer"]
-    load = LayerWeightStreamer.__dict__["_load"]
+    load = LayerResidency.__dict__["_load"]
 
     def tagged_host_buffer(self: Any, nbytes: int) -> Any:
         with tracker.tagging(Kind.HOST):
@@ -216,7 +216,7 @@ def _engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
             return load(self, *args, **kwargs)
 
     with patched(TransferEngine, "_host_buffer", tagged_host_buffer):
-        with patched(LayerWeightStreamer, "_load", tagged_load):
+        with patched(LayerResidency, "_load", tagged_load):
             yield
 
 

@@ -1,7 +1,7 @@
 """The transfer engines' synchronisation mutants: each removes one synchronisation point from
-``lightning_ac/offload/engine.py`` or ``lightning_ac/offload/weights.py`` (an event record, an event or stream wait, a
-record_stream, the stash hold, a release-event wait, an end-of-step synchronize). Every one must be needed by some
-``simulated`` test: a survivor is a missing test or a synchronisation nothing needs."""
+``lightning_ac/offload/engine.py`` or layer offloading's host buffers and residency (an event record, an event or
+stream wait, a record_stream, the stash hold, a release-event wait, an end-of-step synchronize). Every one must be
+needed by some ``simulated`` test: a survivor is a missing test or a synchronisation nothing needs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-FILES = ("lightning_ac/offload/engine.py", "lightning_ac/offload/weights.py")
+FILES = (
+    "lightning_ac/offload/engine.py",
+    "lightning_ac/offload/weights/host.py",
+    "lightning_ac/offload/weights/residency.py",
+)
 SYNC_CALLS = {"wait_stream", "wait_event", "record_event", "record_stream", "synchronize"}
 
 
