@@ -22,7 +22,7 @@ import torch
 from test_budget import letters, oracle_peak, oracle_seconds
 
 from lightning_ac import LightningACWarning
-from lightning_ac.budget import LayerFigures
+from lightning_ac.budget import BudgetSettings, LayerFigures
 from lightning_ac.budget.controller import MAX_CORRECTIONS, SLACK, BudgetController
 
 TIMES = (4.0, 3.0, 2.0, 1.0)
@@ -54,7 +54,7 @@ def controller(figures: Sequence[LayerFigures], budget: int, first_peak: int) ->
     """A controller after its measuring step (every layer recomputed, unpadded) read ``first_peak``: its figures are
     ``figures`` (none outside the layers, no head) and its first choice is made, as ``end_step`` makes it."""
     modules = [torch.nn.Linear(1, 1) for _ in figures]
-    budget_controller = BudgetController(budget, modules, lambda f, *a, **k: f(*a), torch.device("cpu"))
+    budget_controller = BudgetController(BudgetSettings(budget), modules, lambda f, *a, **k: f(*a), torch.device("cpu"))
     budget_controller._first_call = True
     budget_controller._before_layer(0, call(), (HIDDEN,))  # the measuring step's first layer call: its shape
     budget_controller.figures, budget_controller.tokens = list(figures), 16

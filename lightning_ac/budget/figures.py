@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures, estimate
 from lightning_ac.budget.measure import LayerReading
+from lightning_ac.budget.phase import MEASURE
 from lightning_ac.units import format_bytes
 
 __all__ = ["FigureBook", "HEAD_FACTOR", "LINEAR_TOLERANCE", "SELECTIVE_GUESS", "scaled_figures"]
@@ -30,6 +31,26 @@ class FigureBook:
 
     figures: Optional[List[LayerFigures]]
     choices: List[Choice]
+
+    def before_backward(self) -> None:
+        """At backward's start, in the measuring step: the peak since the last layer's forward is the output head's
+        forward's, and the peak from here to the layers its backward's."""
+        if self.phase == MEASURE and self._measurement is not None and self.in_step:
+            if self._head_forward_peak is not None:
+                self._head_forward_peak = self._measurement.peak_so_far()
+            self._measurement.restart_peak()
+
+    def _head_forward_starts(self) -> None:
+        """After the last layer's forward in the measuring step: what follows until backward is the head's forward."""
+        if self._measurement is not None:
+            self._measurement.restart_peak()
+            self._head_forward_peak = 0
+
+    def _read_head_peak(self) -> None:
+        """When backward reaches the layers in the measuring step: the peak since backward started is the output
+        head's (every layer's input held)."""
+        if self._measurement is not None:
+            self._head_peak = self._measurement.peak_so_far()
 
     def _take_figures(self, readings: List[LayerReading], alike_times: bool = False) -> None:
         """The measured layers' figures, the bytes outside them and the head's. ``alike_times``: alike layers take

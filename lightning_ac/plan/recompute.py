@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ac.budget import BudgetController, Choice
+from lightning_ac.budget import BudgetController, BudgetSettings, Choice
 from lightning_ac.budget.first_plan import check_first_plan
 from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.packed import notice_for
@@ -110,20 +110,23 @@ def install_recompute(
         if config.budget_first_plan == "estimate":
             offloads = activation_offload is not None and bool(activation_offload.targets)
             check_first_plan(module, offloads, layer_offloading)
-        done.budget = BudgetController(
+        settings = BudgetSettings(
             config.budget,
+            first_plan=config.budget_first_plan,
+            input_held="hidden_states" not in moved,
+            rules_held="selective" not in moved,
+            # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
+            head_chunkable=config.chunked_loss is None and bool(layers.output_heads()),
+        )
+        done.budget = BudgetController(
+            settings,
             modules,
             checkpoint_fn,
             device,
-            input_held="hidden_states" not in moved,
             on_change=on_budget_change,
             noun=layers.noun,
             policy=done.selective,
-            rules_held="selective" not in moved,
             layer_types=layers.layer_types,
-            # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
-            head_chunkable=config.chunked_loss is None and bool(layers.output_heads()),
-            first_plan=config.budget_first_plan,
             head_chunks=head_chunks,
         )
         switches = done.budget.switches

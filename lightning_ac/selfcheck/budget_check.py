@@ -29,12 +29,14 @@ def check_budget(others: FrozenSet[str]) -> None:
     MemTracker measures an activation peak that a restart at backward's start reads again from there."""
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_ac.budget import BudgetController
+    from lightning_ac.budget import BudgetController, BudgetSettings
 
     model, ids = toy()
     reference = train_step(copy.deepcopy(model), ids)
     measured = copy.deepcopy(model)
-    budget = BudgetController(_TOY_BUDGET_BYTES, decoder_layers(measured).modules, checkpoint, torch.device("cpu"))
+    budget = BudgetController(
+        BudgetSettings(_TOY_BUDGET_BYTES), decoder_layers(measured).modules, checkpoint, torch.device("cpu")
+    )
     checkpointed(measured, layer_checkpoint_fns=budget.switches)
     budget.begin_step(measured, [])
     try:

@@ -1,4 +1,4 @@
-"""Behaviour mutants of budget (the choice and the controller): see :mod:`tests.mutation`."""
+"""Behaviour mutants of budget (the choice, the controller and its re-plans): see :mod:`tests.mutation`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from mutation import Equivalent, Mutant
 
 CHOICE = "lightning_ac/budget/choice.py"
 CONTROLLER = "lightning_ac/budget/controller.py"
+REPLAN = "lightning_ac/budget/replan.py"
 T = "tests/test_budget.py::"
 C = "tests/test_budget_controller.py::"
 
@@ -126,8 +127,9 @@ MUTANTS: List[Mutant] = [
         "a step whose peak is exactly the budget is corrected: more recompute",
         (C + "test_a_peak_exactly_at_the_budget_fits",),
     ),
+    # -- replan.py: a new shape of work
     Mutant(
-        CONTROLLER,
+        REPLAN,
         "self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these\n"
         "        self.corrections = 0",
         "self._measured.clear()  # the peaks measured with other inputs do not say that a choice fits these",
