@@ -247,10 +247,6 @@ def test_no_module_imports_another_modules_private_names():
     assert found == []
 
 
-# Files and classes that still hold several jobs (issue 41): each is split when worked in. The list may only shrink.
-STILL_TO_SPLIT = {
-    "lightning_ac/testing/simulated.py",
-}
 MAX_FILE_LINES, MAX_CLASS_LINES = 400, 300
 
 
@@ -267,8 +263,5 @@ def test_no_file_or_class_outgrows_one_job():
             if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES
         ]
         lines = len(text.splitlines())
-        if name in STILL_TO_SPLIT:
-            assert lines > MAX_FILE_LINES or classes, f"{name} fits now: take it off STILL_TO_SPLIT"
-            continue
         too_long += classes + ([f"{name} ({lines} lines)"] if lines > MAX_FILE_LINES else [])
     assert too_long == []

@@ -50,10 +50,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac.offload.device import AsyncDevice, stand_in_for_cpu, transfers_are_synchronous
+from lightning_ac.testing.streams import Allocation, PendingCopy, SimStream, poison, storage_key, use_count
 
 __all__ = ["SimulatedDevice", "SimulatedDeviceError"]
 
-POISON = 0xFF
 # Faults SimulatedDevice(faults=...) can inject, once each, for verify mode's tests: the compute stream goes on
 # without waiting for a copy ("skip_wait"), or a copy's source is released and reused before it runs
 # ("early_release").
@@ -62,140 +62,6 @@ FAULTS = ("skip_wait", "early_release")
 
 class SimulatedDeviceError(RuntimeError):
     """The transfer code did something a real device would turn into a race or a use-after-free."""
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-def _use_count(tensor: torch.Tensor) -> int:
-    """How many tensors hold ``tensor``'s memory (less the storage object this call holds)."""
-    # Held in a name: a temporary's reference may or may not be dropped before the count (torch < 2.10 drops it)
-    storage = tensor.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) - 1
-
-
-def _poison(tensor: torch.Tensor) -> None:
-    """Fill with 0xFF bytes: NaN in every floating dtype, -1 in integer ones."""
-    if tensor.numel() == 0:
-        return
-    if tensor.is_contiguous():
-        tensor.view(-1).view(torch.uint8).fill_(POISON)
-    else:
-        tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
-
-
-@dataclass(eq=False)
-class _Copy:
-    """A copy issued on a side stream and not run yet."""
-
-    dst: torch.Tensor
-    src: torch.Tensor
-    role: str
-    seq: int
-    reported: bool = False  # released under it: reported once
-    corrupt: bool = False  # an injected fault: its source was reused before it ran, so it copies poison
-
-
-@dataclass(eq=False)
-class _Wait:
-    """A side stream's wait for ``stream`` to reach ``seq``."""
-
-    stream: SimStream
-    seq: int
-
-
-@dataclass(eq=False)
-class _Allocation:
-    storage: StorageWeakRef
-    data_ptr: int
-    nbytes: int
-    kind: str
-    role: str
-    stream: SimStream
-    seq: int  # the stream's position when allocated: the copy that fills it comes after
-    recorded_to: Optional[SimStream] = None  # the compute stream it was record_stream'd to
-    freed_at: Optional[int] = None  # that compute stream's position when the transfer code freed it
-
-
-class SimEvent:
-    """A point on one stream's work."""
-
-    def __init__(self, stream: SimStream, seq: int) -> None:
-        self.stream, self.seq = stream, seq
-
-    def query(self) -> bool:
-        """Whether the stream has passed this point (nothing runs by being asked)."""
-        self.stream.sim._poll()
-        return self.stream.completed >= self.seq
-
-    def synchronize(self) -> None:
-        """Run the stream up to this point."""
-        self.stream.run_until(self.seq)
-
-
-class SimStream:
-    """A stream of the simulated device: work queued in order, run only when waited for; or, for a compute stream
-    (``compute=True``), the CPU's eager computation, which waits at once when it is the stream computing."""
-
-    def __init__(self, sim: SimulatedDevice, name: str, compute: bool = False) -> None:
-        self.sim, self.name, self.compute = sim, name, compute
-        self.issued = 0  # positions handed out: one per queued item or compute-stream event
-        self.completed = 0
-        self.queue: collections.deque = collections.deque()
-        self.after: Dict[SimStream, int] = {}  # for each other stream, the position this stream is ordered after
-        self.waited_on: set = set()  # compute streams waited on since the last copy of a compute-produced tensor
-        self.held_waits: List[SimEvent] = []  # a compute stream's waits issued while another one computed
-
-    def _next(self) -> int:
-        self.issued += 1
-        return self.issued
-
-    def record_event(self) -> SimEvent:
-        self.sim._poll()
-        return SimEvent(self, self._next() if self.compute else self.issued)
-
-    def wait_event(self, event: SimEvent) -> None:
-        self.sim._poll()
-        if self.compute:
-            if event.stream is not self and self.sim._inject("skip_wait"):
-                return  # the fault: compute goes on without waiting for the copy
-            if self is not self.sim.computing():
-                self.held_waits.append(event)  # this stream's next op comes after the event, not the running one's
-                return
-            event.synchronize()  # compute is the CPU: its next op runs now, after the event
-            return
-        if event.stream.compute:
-            self.waited_on.add(event.stream)
-        self.after[event.stream] = max(self.after.get(event.stream, 0), event.seq)
-        self.queue.append(_Wait(event.stream, event.seq))
-        self._next()
-
-    def wait_stream(self, stream: SimStream) -> None:
-        self.wait_event(stream.record_event())
-
-    def synchronize(self) -> None:
-        self.run_until(self.issued)
-
-    def run_until(self, seq: int) -> None:
-        """Run queued work in order until this stream has passed ``seq``."""
-        self.sim._poll()  # memory given up since the last call, under copies about to run
-        if self.compute:
-            self.completed = max(self.completed, seq)
-            self.sim._poll()
-            return
-        while self.completed < seq and self.queue:
-            item = self.queue.popleft()
-            if isinstance(item, _Wait):
-                item.stream.run_until(item.seq)
-            else:
-                self.sim._run(item)
-            self.completed += 1
-        self.completed = max(self.completed, min(seq, self.issued))
-        self.sim._poll()
-
-    def pending_copies(self) -> List[_Copy]:
-        return [item for item in self.queue if isinstance(item, _Copy)]
 
 
 @dataclass
@@ -225,7 +91,7 @@ class SimulatedDevice(AsyncDevice):
         self.streams: List[SimStream] = []
         self._current: List[SimStream] = [self.compute]
         self._user_compute: List[SimStream] = []  # compute streams made with new_stream(compute=True) and entered
-        self._allocations: List[_Allocation] = []  # device memory not yet reusable
+        self._allocations: List[Allocation] = []  # device memory not yet reusable
         self._stats = _Stats()
         self._errors: List[str] = []
         self._previous: Optional[AsyncDevice] = None
@@ -260,7 +126,7 @@ class SimulatedDevice(AsyncDevice):
             stream.synchronize()
         for stream in self.compute_streams:
             stream.synchronize()
-        self._poll()
+        self.poll()
 
     # -- AsyncDevice ----------------------------------------------------------------------------------------
 
@@ -305,14 +171,14 @@ class SimulatedDevice(AsyncDevice):
 
     def _empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
         """Device memory, allocated on the current stream (poisoned, counted)."""
-        self._poll()
+        self.poll()
         tensor = torch.empty(shape, dtype=dtype)
-        _poison(tensor)
+        poison(tensor)
         stream = self.current_stream()
         self._allocations.append(
-            _Allocation(
+            Allocation(
                 StorageWeakRef(tensor.untyped_storage()),
-                _storage_key(tensor),
+                storage_key(tensor),
                 tensor.numel() * tensor.element_size(),
                 role.split(":")[0],
                 role,
@@ -343,26 +209,26 @@ class SimulatedDevice(AsyncDevice):
         return out
 
     def _enqueue(self, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
-        self._poll()
+        self.poll()
         stream = self.current_stream()
         if stream.compute:
             dst.copy_(src)
             return
         self._check_order(stream, dst, src, role)
         self._raise_errors()
-        _poison(dst)  # until the copy runs
+        poison(dst)  # until the copy runs
         # The copy holds tensors of its own on the same memory, so that the transfer code's references can be told
         # apart from the simulator's (the storage's use count).
-        copy = _Copy(dst.detach(), src.detach(), role, stream._next())
+        copy = PendingCopy(dst.detach(), src.detach(), role, stream._next())
         stream.queue.append(copy)
         in_flight = len(stream.pending_copies())
         self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], in_flight)
         if transfers_are_synchronous():
             stream.synchronize()  # the copy has run before the call that issued it returns
-        elif self._inject("early_release"):
+        elif self.inject("early_release"):
             copy.corrupt = True
 
-    def _inject(self, fault: str) -> bool:
+    def inject(self, fault: str) -> bool:
         """Whether to inject ``fault`` now (once; never into synchronous transfers, whose copies have run)."""
         if fault in self.faults and not transfers_are_synchronous():
             self.faults.remove(fault)
@@ -400,8 +266,8 @@ class SimulatedDevice(AsyncDevice):
     def unpin(self, buffer: torch.Tensor) -> None:
         if self.pinned_in_place.pop(buffer.data_ptr(), None) is None:
             self._fail("unpin of a buffer that is not pinned in place")
-        key = _storage_key(buffer)
-        if any(_storage_key(p.src) == key for s in self.streams for p in s.pending_copies()):
+        key = storage_key(buffer)
+        if any(storage_key(p.src) == key for s in self.streams for p in s.pending_copies()):
             self._fail(
                 "a host buffer was unpinned while a pending copy reads it: on a device the DMA would read memory "
                 "that is no longer page-locked"
@@ -410,9 +276,9 @@ class SimulatedDevice(AsyncDevice):
 
     # -- the device's side of things ----------------------------------------------------------------------
 
-    def _run(self, copy: _Copy) -> None:
+    def run_copy(self, copy: PendingCopy) -> None:
         if copy.corrupt:  # the memory it read was released early and reused: garbage arrives
-            _poison(copy.dst)
+            poison(copy.dst)
             self._stats.copies += 1
             return
         copy.dst.copy_(copy.src)
@@ -421,22 +287,22 @@ class SimulatedDevice(AsyncDevice):
     def _check_order(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
         """A copy on ``stream`` must come after every pending copy on another stream that writes what it touches
         or reads what it writes."""
-        dst_key, src_key = _storage_key(dst), _storage_key(src)
+        dst_key, src_key = storage_key(dst), storage_key(src)
         for other in self.streams:
             if other is stream:
                 continue
             for pending in other.pending_copies():
                 if pending.seq <= stream.after.get(other, 0):
                     continue
-                writes = _storage_key(pending.dst)
-                conflict = writes in (dst_key, src_key) or _storage_key(pending.src) == dst_key
+                writes = storage_key(pending.dst)
+                conflict = writes in (dst_key, src_key) or storage_key(pending.src) == dst_key
                 if conflict:
                     self._fail(
                         f"{role}: issued on {stream.name} while a copy on {other.name} ({pending.role}) still uses the "
                         "same memory, without waiting for it (wait_event/wait_stream)"
                     )
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
         """Find memory the transfer code gave up: under a pending copy (an error), or device memory to count
         down."""
         for stream in self.streams:
@@ -446,12 +312,12 @@ class SimulatedDevice(AsyncDevice):
                 for tensor, what in ((pending.src, "source"), (pending.dst, "destination")):
                     # the simulator's own references: the tensors its pending copies hold on that memory
                     held = sum(
-                        _storage_key(t) == _storage_key(tensor)
+                        storage_key(t) == storage_key(tensor)
                         for s in self.streams
                         for p in s.pending_copies()
                         for t in (p.src, p.dst)
                     )
-                    if _use_count(tensor) <= held and not self._allocated_on(tensor, stream):
+                    if use_count(tensor) <= held and not self._allocated_on(tensor, stream):
                         pending.reported = True
                         self._fail(
                             f"the {what} of a pending copy ({pending.role}) on {stream.name} was released before the "
@@ -480,9 +346,9 @@ class SimulatedDevice(AsyncDevice):
         allocation = self._allocation(tensor)
         return allocation is not None and allocation.stream is stream
 
-    def _allocation(self, tensor: torch.Tensor) -> Optional[_Allocation]:
+    def _allocation(self, tensor: torch.Tensor) -> Optional[Allocation]:
         """The live device allocation that holds ``tensor``'s memory, if the simulator allocated it."""
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         return next((a for a in self._allocations if a.freed_at is None and a.data_ptr == key), None)
 
     def _count_bytes(self) -> None:
