@@ -137,6 +137,64 @@ def test_python_path_parses_once(parse_count):
     assert len(parse_count) == 1
 
 
+@pytest.fixture
+def combination_checks(monkeypatch):
+    import lightning_ac.config.requests
+
+    calls = []
+    for module in (lightning_ac.config.block, lightning_ac.config.requests):
+        original = module.check_combination
+
+        def counting(cfg, original=original):
+            calls.append(cfg)
+            return original(cfg)
+
+        monkeypatch.setattr(module, "check_combination", counting)
+    return calls
+
+
+def test_the_dict_path_checks_the_combination_once(combination_checks):
+    callbacks = callbacks_from_config({"selective": True, "offload": {"hidden_states": "cpu"}}, copy_on_host=True)
+    fit(clone(tiny_model("llama")), callbacks, max_steps=1)
+    assert len(combination_checks) == 1, "the requests cut from one checked block are merged without a second check"
+
+
+def test_the_python_path_checks_the_merged_requests(combination_checks):
+    with pytest.raises(ConfigError, match="offload.selective"):
+        fit(clone(tiny_model("llama")), [ActivationCheckpointing(), ActivationOffload(selective="cpu")], max_steps=1)
+    assert len(combination_checks) == 2, "the callback's own block, then the requests together"
+
+
+def test_callbacks_from_a_block_are_the_callbacks_built_by_hand():
+    """callbacks_from_config's callbacks skip only the argument parsing: their state is a hand-built callback's."""
+    from_block = callbacks_from_config(
+        {"selective": True, "offload": {"hidden_states": "cpu"}},
+        layer_offloading=True,
+        layer_offloading_resident_layers=1,
+        copy_on_host=True,
+        verify_steps=2,
+        verbose=True,
+    )
+    by_hand = [
+        ActivationCheckpointing(selective=True, verbose=True),
+        ActivationOffload(hidden_states="cpu", copy_on_host=True, verify_steps=2, verbose=True),
+        LayerOffload(copy_on_host=True, resident_layers=1, verify_steps=2, verbose=True),
+    ]
+    assert [type(c) for c in from_block] == [type(c) for c in by_hand]
+    for built, hand in zip(from_block, by_hand):
+        assert built.request.__dict__.keys() == hand.request.__dict__.keys()
+        if not isinstance(built, ActivationCheckpointing):
+            assert built.request == hand.request
+        else:
+            assert built.request.config == hand.request.config
+        assert _state(built) == _state(hand)
+
+
+def _state(callback) -> dict:
+    """A callback's attributes but its request, objects as their type and attributes."""
+    return {k: (type(v), vars(v)) if hasattr(v, "__dict__") else v for k, v in vars(callback).items() if k != "request"}
+
+
 @pytest.mark.parametrize("block", [{"selective": True, "offload": {"hidden_states": "cpu"}}, True])
 def test_dict_path_parses_once(parse_count, block):
     callbacks = callbacks_from_config(block, copy_on_host=True)

@@ -75,8 +75,10 @@ class ActivationOffload(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.request = ActivationOffloadRequest(
-            OffloadConfig(hidden_states=hidden_states, selective=selective, all=all),
+        request = ActivationOffloadRequest.from_arguments(
+            hidden_states=hidden_states,
+            selective=selective,
+            all=all,
             copy_on_host=copy_on_host,
             min_offload_bytes=min_offload_bytes,
             max_pinned_bytes=max_pinned_bytes,
@@ -84,7 +86,9 @@ class ActivationOffload(SuiteCallback):
             verify_steps=verify_steps,
             verify_atol=verify_atol,
         )
-        self._init_output(verbose, prog_bar)
+        super().__init__(request, verbose=verbose, prog_bar=prog_bar)
+
+    def _reset(self) -> None:
         self.last_step: Dict[str, Dict[str, int]] = _no_transfers()
         self._reported_host_use = False
         self._step = OptimizerStep()

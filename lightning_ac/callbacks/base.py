@@ -5,7 +5,7 @@ their combination) and applies it; the others find it applied. Removal happens o
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Type, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +18,8 @@ from lightning_ac.plan import Plan
 from lightning_ac.report import render_layer_table
 
 __all__ = ["SuiteCallback"]
+
+_Suite = TypeVar("_Suite", bound="SuiteCallback")
 
 
 class SuiteCallback(Callback):
@@ -32,10 +34,26 @@ class SuiteCallback(Callback):
     prog_bar: bool = False
     _step: OptimizerStep
 
-    def _init_output(self, verbose: Any, prog_bar: Any) -> None:
+    def __init__(self, request: Any, *, verbose: Any = False, prog_bar: Any = False) -> None:
+        """Each subclass validates its own arguments into ``request`` (its typed request), then calls this."""
         name = type(self).__name__
+        self.request = request
         self.verbose = bool(parse_bool(verbose, f"{name}(verbose=...)"))
         self.prog_bar = bool(parse_bool(prog_bar, f"{name}(prog_bar=...)"))
+        self._reset()
+
+    @classmethod
+    def from_request(cls: Type[_Suite], request: Any, *, verbose: bool = False) -> _Suite:
+        """The callback for an already validated request (:func:`~lightning_ac.callbacks_from_config` builds its
+        requests from a validated block): the arguments are not parsed again. The one alternate constructor, like
+        ``fractions.Fraction``'s: it skips only the subclass's argument parsing, and the state is set up where the
+        subclass's constructor sets it up (``SuiteCallback.__init__`` and ``_reset``)."""
+        callback = cls.__new__(cls)
+        SuiteCallback.__init__(callback, request, verbose=verbose)
+        return callback
+
+    def _reset(self) -> None:
+        """Set this callback's own figures and state to what a new callback has (each subclass its own)."""
 
     @property
     def plan(self) -> Optional[Plan]:

@@ -80,7 +80,7 @@ class ActivationCheckpointing(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.request = CheckpointingRequest.from_arguments(
+        request = CheckpointingRequest.from_arguments(
             implementation=implementation,
             reentrant=reentrant,
             kwargs=kwargs,
@@ -91,18 +91,11 @@ class ActivationCheckpointing(SuiteCallback):
             enabled=enabled,
             budget_first_plan=budget_first_plan,
         )
-        self._init_output(verbose, prog_bar)
+        super().__init__(request, verbose=verbose, prog_bar=prog_bar)
+
+    def _reset(self) -> None:
         self._budget_state: Optional[Dict[str, Any]] = None  # a checkpoint's settled plan, until this run takes it
         self._budget_summary: Optional[Dict[str, Any]] = None
-
-    @classmethod
-    def _from_request(cls, request: CheckpointingRequest, verbose: bool = False) -> ActivationCheckpointing:
-        """A callback for a request built from an already validated block (not validated again)."""
-        callback = cls.__new__(cls)
-        callback.request = request
-        callback._init_output(verbose, False)
-        callback._budget_state = callback._budget_summary = None
-        return callback
 
     @property
     def config(self) -> Any:

@@ -10,8 +10,10 @@ from lightning_ac.callbacks.activation_offload import ActivationOffload
 from lightning_ac.callbacks.checkpointing import ActivationCheckpointing
 from lightning_ac.callbacks.layer_offload import LayerOffload
 from lightning_ac.config import (
+    ActivationOffloadRequest,
     CheckpointingRequest,
     ConfigError,
+    LayerOffloadRequest,
     parse_bool,
     parse_config,
     parse_count,
@@ -77,28 +79,17 @@ def callbacks_from_config(
             "optimizer steps' offload transfers, but the block offloads nothing (no offload target, layer_offloading "
             "false). Remove verify_steps, or set an offload target or layer_offloading: true."
         )
+    # the block was validated above and the arguments here: the callbacks take their requests as they are
     callbacks: List[Callback] = []
     if cfg.enabled or cfg.chunked_loss is not None:  # without recompute, the chunked loss is all it does
-        callbacks.append(ActivationCheckpointing._from_request(CheckpointingRequest.from_config(cfg), verbose))
-    off = cfg.offload
-    if off.targets:
-        callbacks.append(
-            ActivationOffload(
-                hidden_states=off.hidden_states,
-                selective=off.selective,
-                all=off.all,
-                copy_on_host=copy_on_host,
-                verify_steps=verify_steps,
-                verbose=verbose,
-            )
-        )
+        checkpointing = CheckpointingRequest.from_config(cfg)
+        callbacks.append(ActivationCheckpointing.from_request(checkpointing, verbose=verbose))
+    if cfg.offload.targets:
+        offload = ActivationOffloadRequest(cfg.offload, copy_on_host=copy_on_host, verify_steps=verify_steps)
+        callbacks.append(ActivationOffload.from_request(offload, verbose=verbose))
     if layer_offloading:
-        callbacks.append(
-            LayerOffload(
-                copy_on_host=copy_on_host,
-                resident_layers=layer_offloading_resident_layers,
-                verify_steps=verify_steps,
-                verbose=verbose,
-            )
+        layer_offload = LayerOffloadRequest(
+            copy_on_host=copy_on_host, resident_layers=layer_offloading_resident_layers, verify_steps=verify_steps
         )
+        callbacks.append(LayerOffload.from_request(layer_offload, verbose=verbose))
     return callbacks

@@ -78,15 +78,17 @@ class LayerOffload(SuiteCallback):
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
-        self.request = LayerOffloadRequest(
-            layers,
+        request = LayerOffloadRequest.from_arguments(
+            layers=layers,
             copy_on_host=copy_on_host,
             host_reserve_bytes=host_reserve_bytes,
             resident_layers=resident_layers,
             verify_steps=verify_steps,
             verify_atol=verify_atol,
         )
-        self._init_output(verbose, prog_bar)
+        super().__init__(request, verbose=verbose, prog_bar=prog_bar)
+
+    def _reset(self) -> None:
         self.last_step: Dict[str, int] = _no_loads()
         self.host_bytes = 0
         self._step = OptimizerStep()

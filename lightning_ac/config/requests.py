@@ -52,6 +52,8 @@ class CheckpointingRequest:
 
     config: ActivationCheckpointingConfig
     layers: Optional[List[LayerSpec]] = None
+    # the whole block this request was cut from, already checked across its fields (callbacks_from_config)
+    block: Optional[ActivationCheckpointingConfig] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_arguments(
@@ -110,12 +112,13 @@ class CheckpointingRequest:
     @classmethod
     def from_config(cls, config: ActivationCheckpointingConfig) -> CheckpointingRequest:
         """The recompute part of a block that :func:`parse_config` returned (not validated again)."""
-        return cls(mark_validated(dataclasses.replace(config, offload=OffloadConfig())))
+        return cls(mark_validated(dataclasses.replace(config, offload=OffloadConfig())), block=config)
 
 
 @dataclass
 class ActivationOffloadRequest:
-    """What :class:`~lightning_ac.ActivationOffload` asks for; validated when built.
+    """What :class:`~lightning_ac.ActivationOffload` asks for, typed (:meth:`from_arguments` validates the
+    callback's arguments; :func:`~lightning_ac.callbacks_from_config` builds one from a validated block).
 
     Attributes:
         offload: Where each target's tensors go.
@@ -135,21 +138,27 @@ class ActivationOffloadRequest:
     verify_steps: int = 0
     verify_atol: float = 0.0
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> ActivationOffloadRequest:
+        """Validate ``ActivationOffload``'s arguments (the fields above, with the targets' placements as keywords
+        ``hidden_states``, ``selective``, ``all``) with the block's own field parsers."""
         where = "ActivationOffload"
-        self.offload = OffloadConfig(
-            **{t: parse_placement(getattr(self.offload, t), f"{where}({t}=...)") for t in OFFLOAD_TARGETS}
+        offload = OffloadConfig(
+            **{t: parse_placement(arguments.pop(t, "none"), f"{where}({t}=...)") for t in OFFLOAD_TARGETS}
         )
-        check_offload_targets(self.offload, where)
-        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
+        check_offload_targets(offload, where)
+        request = cls(offload, **arguments)
+        request.copy_on_host = bool(parse_bool(request.copy_on_host, f"{where}(copy_on_host=...)"))
         for name in ("min_offload_bytes", "max_pinned_bytes", "host_reserve_bytes"):
-            parse_count(getattr(self, name), f"{where}({name}=...)")
-        parse_verify(self, where)
+            parse_count(getattr(request, name), f"{where}({name}=...)")
+        parse_verify(request, where)
+        return request
 
 
 @dataclass
 class LayerOffloadRequest:
-    """What :class:`~lightning_ac.LayerOffload` asks for; validated when built.
+    """What :class:`~lightning_ac.LayerOffload` asks for, typed (:meth:`from_arguments` validates the callback's
+    arguments).
 
     Attributes:
         layers: Layer classes or module-name globs, ``None`` to find transformers layers.
@@ -167,17 +176,21 @@ class LayerOffloadRequest:
     verify_steps: int = 0
     verify_atol: float = 0.0
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> LayerOffloadRequest:
+        """Validate ``LayerOffload``'s arguments (the fields above) with the block's own field parsers."""
         where = "LayerOffload"
-        self.layers = parse_layers(self.layers, f"{where}(layers=...)")
-        self.copy_on_host = bool(parse_bool(self.copy_on_host, f"{where}(copy_on_host=...)"))
-        parse_count(self.host_reserve_bytes, f"{where}(host_reserve_bytes=...)")
+        request = cls(**arguments)
+        request.layers = parse_layers(request.layers, f"{where}(layers=...)")
+        request.copy_on_host = bool(parse_bool(request.copy_on_host, f"{where}(copy_on_host=...)"))
+        parse_count(request.host_reserve_bytes, f"{where}(host_reserve_bytes=...)")
         parse_count(
-            self.resident_layers,
+            request.resident_layers,
             f"{where}(resident_layers=...)",
             fix="It counts the last decoder layers whose frozen weights stay on the device; 0 streams them all.",
         )
-        parse_verify(self, where)
+        parse_verify(request, where)
+        return request
 
 
 def merge_requests(
@@ -205,7 +218,8 @@ def merge_requests(
     else:
         base = checkpointing.config
     cfg = dataclasses.replace(base, offload=offload)
-    check_combination(cfg)
+    if checkpointing is None or checkpointing.block != cfg:  # the requests of one checked block need no check
+        check_combination(cfg)
     return mark_validated(cfg)
 
 
