@@ -120,14 +120,7 @@ class ActivationOffloadRequest:
     """What :class:`~lightning_ac.ActivationOffload` asks for, typed (:meth:`from_arguments` validates the
     callback's arguments; :func:`~lightning_ac.callbacks_from_config` builds one from a validated block).
 
-    Attributes:
-        offload: Where each target's tensors go.
-        copy_on_host: On a CPU device, still run the copies (tests, debugging).
-        min_offload_bytes: ``all`` leaves smaller tensors on the device.
-        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
-        host_reserve_bytes: Host memory left free.
-        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
-        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
+    Its fields are the callback's arguments of the same names, the targets' placements gathered in ``offload``.
     """
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -160,13 +153,7 @@ class LayerOffloadRequest:
     """What :class:`~lightning_ac.LayerOffload` asks for, typed (:meth:`from_arguments` validates the callback's
     arguments).
 
-    Attributes:
-        layers: Layer classes or module-name globs, ``None`` to find transformers layers.
-        copy_on_host: On a CPU device, run the copies anyway (tests, debugging).
-        host_reserve_bytes: Host memory left free.
-        resident_layers: The last decoder layers (of each model) whose frozen weights stay on the device.
-        verify_steps: The first optimizer steps checked against synchronous transfers (verify mode).
-        verify_atol: The largest difference verify mode accepts (``0``: bit for bit).
+    Its fields are the callback's arguments of the same names.
     """
 
     layers: Optional[List[LayerSpec]] = None

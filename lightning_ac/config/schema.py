@@ -99,11 +99,14 @@ class ChunkedLossConfig:
 @dataclass
 class OffloadConfig:
     """Where each offload target's tensors go: ``none`` (default) or ``cpu``; ``true``/``false`` mean cpu/none.
+    ``disk`` is rejected, pending a fix.
 
     Attributes:
-        hidden_states: Each checkpointed decoder layer's input.
-        selective: What the selective policy saves.
-        all: Every activation saved during the training forward.
+        hidden_states: Each checkpointed decoder layer's input. Needs recompute (``enabled``; in Python
+            :class:`~lightning_ac.ActivationCheckpointing`).
+        selective: What the selective checkpointing policy saves. Needs ``selective``.
+        all: Every activation saved in the training forward (with recompute: what is saved outside the layers plus
+            each layer's input). Cannot be combined with ``hidden_states``.
     """
 
     hidden_states: Any = Placement.none
@@ -135,15 +138,27 @@ class ActivationCheckpointingConfig:
             ``forward``, outside transformers, so FSDP's hooks stay outside the recompute; needs an FSDP
             strategy).
         reentrant: ``use_reentrant``; ``None`` picks the default (non-reentrant).
-        kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments, plus ``every_n_layers``.
-        selective: Selective activation checkpointing, ``None`` when off.
+        kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments (``preserve_rng_state``,
+            ``determinism_check``, ``debug``, ``early_stop``), plus ``every_n_layers`` (checkpoint every n-th
+            decoder layer only). Keys the suite sets itself (``context_fn``, ``respect_saved_tensors_hooks``),
+            ``offload`` (use ``offload.hidden_states``), ``use_reentrant`` (use ``reentrant``) and anything torch
+            does not accept are rejected: torch would hand them to each layer's forward.
+        selective: Selective activation checkpointing: ``true`` (save attention) or a mapping of
+            :class:`SelectiveConfig`'s fields (a :class:`SelectiveConfig` after :func:`parse_config`); ``None`` or
+            ``false`` when off.
         offload: Offload placement of each target.
         budget: The memory budget: the activation memory one training step may use, in bytes (an int after
-            :func:`parse_config`; text with a unit before), or ``"auto"`` (the device memory free at the first step,
+            :func:`parse_config`; before, an int or text with a unit: ``24GiB``, ``512MiB``, ``20GB``,
+            ``300 MB``), or ``"auto"`` (the device memory free at the first step,
             less a margin; accelerators only). The suite then chooses per decoder layer what to keep and what to
-            recompute (:mod:`lightning_ac.budget`). ``None``: every layer the other fields name is recomputed.
-        chunked_loss: The causal-LM loss computed a chunk of tokens at a time, ``None`` when off. Applies with
-            ``enabled: false`` too.
+            recompute, at the least recompute time (:mod:`lightning_ac.budget`); not with
+            ``kwargs.every_n_layers``, which chooses the layers itself. ``None``: every layer the other fields name
+            is recomputed.
+        chunked_loss: A transformers causal-LM model's training loss computed a chunk of tokens at a time, so that
+            the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
+            memory; in those forwards the output's ``logits`` is ``None``): ``true`` (``{chunk_tokens: auto}``) or
+            ``{chunk_tokens: N}`` (:class:`ChunkedLossConfig`); ``None`` or ``false`` when off. Applies with
+            ``enabled: false`` too (:mod:`lightning_ac.loss`).
         budget_first_plan: Where the budget's first plan comes from: ``measure`` (the first training step
             recomputes every layer and measures each) or ``estimate`` (before the first step, the user's training
             step runs once on fake tensors at the first batch's shape, which allocates nothing, and the first real
