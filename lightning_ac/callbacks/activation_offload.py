@@ -22,17 +22,19 @@ __all__ = ["ActivationOffload"]
 class ActivationOffload(SuiteCallback):
     """Move saved activations to host memory until backward needs them.
 
-    Targets are the block's ``offload`` fields (:class:`~lightning_ac.OffloadConfig`), each ``"none"`` or ``"cpu"``;
-    ``True``/``False``, or the text ``"true"``/``"false"`` in any case, mean cpu/none.
+    Targets are the block's ``offload`` fields (:class:`~lightning_ac.OffloadConfig`), each ``"none"`` or ``"cpu"``
+    (``"disk"`` is refused, pending a fix); ``True``/``False``, or the text ``"true"``/``"false"`` in any case, mean
+    cpu/none.
 
     On an accelerator, copies run on side streams with pinned host buffers and are prefetched in backward.
     On a CPU-only trainer there is nothing to gain: the callback logs once and does nothing, unless
     ``copy_on_host=True`` forces the full pack/unpack path (copies into separate host buffers).
 
     Args:
-        hidden_states: The block's ``offload.hidden_states`` (:class:`~lightning_ac.OffloadConfig`).
-        selective: The block's ``offload.selective`` (:class:`~lightning_ac.OffloadConfig`).
-        all: The block's ``offload.all`` (:class:`~lightning_ac.OffloadConfig`).
+        hidden_states: Each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`.
+        selective: What the selective checkpointing policy saves. Needs ``ActivationCheckpointing(selective=...)``.
+        all: Every activation saved in the training forward (with recompute: what is saved outside the layers plus
+            each layer's input). Cannot be combined with ``hidden_states``.
         copy_on_host: On a CPU device, still run the copies (tests, debugging).
         min_offload_bytes: ``all`` leaves smaller tensors on the device (copying them costs more than it saves).
         max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.

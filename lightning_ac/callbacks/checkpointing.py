@@ -22,23 +22,44 @@ __all__ = ["ActivationCheckpointing"]
 class ActivationCheckpointing(SuiteCallback):
     """Recompute decoder layers in backward instead of keeping their activations.
 
-    Its arguments are the ``activation_checkpointing`` block's fields, documented once, where the block defines them
-    (Python takes ``True`` and mappings where YAML takes ``true`` and mappings), and ``layers``, ``verbose``,
-    ``prog_bar``.
+    Its arguments are the ``activation_checkpointing`` block's fields
+    (:class:`~lightning_ac.ActivationCheckpointingConfig`: YAML writes ``true`` where Python writes ``True``), and
+    ``layers``, ``verbose``, ``prog_bar``; each is documented here, once.
 
     Args:
-        implementation: The block's ``implementation`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        reentrant: The block's ``reentrant`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        kwargs: The block's ``kwargs`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        selective: The block's ``selective`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
+        implementation: ``"hf"`` (transformers' checkpointing; plain torch layers get torch's checkpoint around their
+            ``forward``) or ``"fsdp"`` (torch's non-reentrant checkpoint around each decoder layer's ``forward``,
+            outside transformers, so FSDP's hooks stay outside the recompute; needs an FSDP strategy).
+        reentrant: ``use_reentrant``. ``None`` (default) picks non-reentrant checkpointing (reentrant under
+            DeepSpeed ZeRO-3).
+        kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments (``preserve_rng_state``,
+            ``determinism_check``, ``debug``, ``early_stop``), plus ``every_n_layers`` (checkpoint every n-th decoder
+            layer only). Keys the suite sets itself (``context_fn``, ``respect_saved_tensors_hooks``), ``offload``
+            (use ``ActivationOffload(hidden_states=...)``), ``use_reentrant`` (use ``reentrant``) and anything torch
+            does not accept are rejected: torch would hand them to each layer's forward.
+        selective: Selective activation checkpointing: ``True`` (save attention) or a mapping of
+            :class:`~lightning_ac.SelectiveConfig`'s fields (``save``, ``save_modules``, ``save_matmul_min_k``,
+            ``save_sliding_window``, ``recompute_layer_types``); ``None`` or ``False`` when off.
         layers: For models that are not transformers models: the decoder layers, as layer classes or globs
             over qualified module names (``"model.blocks.*"``). ``None`` finds transformers layers. A string that
             imports as ``package.module.Class`` to an ``nn.Module`` subclass names that class (a YAML or LightningCLI
             config names classes so); any other string is a glob.
-        budget: The block's ``budget`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        budget_first_plan: The block's ``budget_first_plan`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        chunked_loss: The block's ``chunked_loss`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
-        enabled: The block's ``enabled`` (:class:`~lightning_ac.ActivationCheckpointingConfig`).
+        budget: The memory budget: the activation memory one training step may use, as bytes or text with a unit
+            (``"24GiB"``, ``"512MiB"``, ``"20GB"``, ``"300 MB"``), or ``"auto"`` (CUDA: the memory free at the first
+            step, less a margin). The first step recomputes every layer and measures each; from then on the layers
+            that fit keep their activations, the rest are recomputed, at the least recompute time (see
+            :mod:`lightning_ac.budget`). Not with ``kwargs.every_n_layers``, which chooses the layers itself.
+        budget_first_plan: With ``budget``: ``"measure"`` (default: the first step recomputes every layer and
+            measures each) or ``"estimate"`` (before the first step, this run's training step runs once on fake
+            tensors at the first batch's shape, allocating nothing, and the first real step runs its plan and
+            checks it). See :mod:`lightning_ac.budget.first_plan`.
+        chunked_loss: Compute a transformers causal-LM model's training loss a chunk of tokens at a time, so that
+            the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
+            memory): ``True`` (``chunk_tokens: auto``: chunks whose logits hold as many elements as the final hidden
+            states, at least 128 tokens) or ``{"chunk_tokens": N}`` (:class:`~lightning_ac.config.ChunkedLossConfig`).
+            In those forwards the output's ``logits`` is ``None``. Applies with ``enabled=False`` too. See
+            :mod:`lightning_ac.loss`.
+        enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` is what the callback does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
             offloaded where (rich when installed, plain text otherwise).
         prog_bar: Show ``lightning_ac/peak_memory_bytes`` (logged each step on CUDA) in the progress bar.

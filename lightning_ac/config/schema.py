@@ -99,14 +99,8 @@ class ChunkedLossConfig:
 @dataclass
 class OffloadConfig:
     """Where each offload target's tensors go: ``none`` (default) or ``cpu``; ``true``/``false`` mean cpu/none.
-    ``disk`` is rejected, pending a fix.
 
-    Attributes:
-        hidden_states: Each checkpointed decoder layer's input. Needs recompute (``enabled``; in Python
-            :class:`~lightning_ac.ActivationCheckpointing`).
-        selective: What the selective checkpointing policy saves. Needs ``selective``.
-        all: Every activation saved in the training forward (with recompute: what is saved outside the layers plus
-            each layer's input). Cannot be combined with ``hidden_states``.
+    Each field is :class:`~lightning_ac.ActivationOffload`'s argument of the same name (documented there).
     """
 
     hidden_states: Any = Placement.none
@@ -126,43 +120,14 @@ class OffloadConfig:
 
 @dataclass
 class ActivationCheckpointingConfig:
-    """The ``activation_checkpointing`` block.
+    """The ``activation_checkpointing`` block: each field is :class:`~lightning_ac.ActivationCheckpointing`'s
+    argument of the same name (documented there, once: LightningCLI's ``--help`` shows it), written in YAML
+    (``true`` where Python writes ``True``); ``offload`` holds :class:`~lightning_ac.ActivationOffload`'s targets
+    (:class:`OffloadConfig`).
 
-    After :func:`parse_config`, ``selective`` is ``None`` or a :class:`SelectiveConfig`, ``kwargs`` a plain
-    dict, and every offload target a :class:`Placement`.
-
-    Attributes:
-        enabled: Recompute decoder layers in backward. ``False`` leaves only ``offload.all`` in effect.
-        implementation: ``hf`` (transformers' checkpointing; plain torch layers get torch's checkpoint around
-            their ``forward``) or ``fsdp`` (torch's non-reentrant checkpoint around each decoder layer's
-            ``forward``, outside transformers, so FSDP's hooks stay outside the recompute; needs an FSDP
-            strategy).
-        reentrant: ``use_reentrant``; ``None`` picks the default (non-reentrant).
-        kwargs: Extra ``torch.utils.checkpoint.checkpoint`` arguments (``preserve_rng_state``,
-            ``determinism_check``, ``debug``, ``early_stop``), plus ``every_n_layers`` (checkpoint every n-th
-            decoder layer only). Keys the suite sets itself (``context_fn``, ``respect_saved_tensors_hooks``),
-            ``offload`` (use ``offload.hidden_states``), ``use_reentrant`` (use ``reentrant``) and anything torch
-            does not accept are rejected: torch would hand them to each layer's forward.
-        selective: Selective activation checkpointing: ``true`` (save attention) or a mapping of
-            :class:`SelectiveConfig`'s fields (a :class:`SelectiveConfig` after :func:`parse_config`); ``None`` or
-            ``false`` when off.
-        offload: Offload placement of each target.
-        budget: The memory budget: the activation memory one training step may use, in bytes (an int after
-            :func:`parse_config`; before, an int or text with a unit: ``24GiB``, ``512MiB``, ``20GB``,
-            ``300 MB``), or ``"auto"`` (the device memory free at the first step,
-            less a margin; accelerators only). The suite then chooses per decoder layer what to keep and what to
-            recompute, at the least recompute time (:mod:`lightning_ac.budget`); not with
-            ``kwargs.every_n_layers``, which chooses the layers itself. ``None``: every layer the other fields name
-            is recomputed.
-        chunked_loss: A transformers causal-LM model's training loss computed a chunk of tokens at a time, so that
-            the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
-            memory; in those forwards the output's ``logits`` is ``None``): ``true`` (``{chunk_tokens: auto}``) or
-            ``{chunk_tokens: N}`` (:class:`ChunkedLossConfig`); ``None`` or ``false`` when off. Applies with
-            ``enabled: false`` too (:mod:`lightning_ac.loss`).
-        budget_first_plan: Where the budget's first plan comes from: ``measure`` (the first training step
-            recomputes every layer and measures each) or ``estimate`` (before the first step, the user's training
-            step runs once on fake tensors at the first batch's shape, which allocates nothing, and the first real
-            step already runs the plan; see :mod:`lightning_ac.budget.first_plan`). Only with ``budget``.
+    After :func:`parse_config`, ``selective`` is ``None`` or a :class:`SelectiveConfig`, ``kwargs`` a plain dict,
+    ``budget`` an int of bytes or ``"auto"``, ``chunked_loss`` ``None`` or a :class:`ChunkedLossConfig`, and every
+    offload target a :class:`Placement`.
     """
 
     enabled: bool = True
