@@ -2,7 +2,8 @@
 
 Every mode's memory for one training step of the configured model (``model.*``, ``lora.*``) at the configured batch
 (``data.batch_size`` x ``data.seq_len``), counted on fake tensors on the CPU by :func:`lightning_ac.estimate.estimate`
-(the table ``python -m lightning_ac.estimate`` prints), with AdamW as the job trains. The table goes to stdout and to
+(the table ``python -m lightning_ac.estimate`` prints), in the trainer's precision and with AdamW, as the job
+trains. The table goes to stdout and to
 ``estimate.md`` in the run's output directory, the figures to ``estimate.json``; nothing trains.
 """
 
@@ -24,32 +25,28 @@ _JOB_KEYS = {
     "--seq": "data.seq_len",
     "--batch": "data.batch_size",
     "--dtype": "estimate_dtype",
+    "--precision": "trainer.precision",
+    "--lora-targets": "lora.target_modules",
     "--lora": "lora.r",
+    "--full-finetune": "lora.enabled=false",
+    "--attn": "model.attn_implementation",
     "--modes": "estimate_modes",
     "--device-memory": "estimate_device_memory",
     "--set": "model.config",
 }
-# the trainer's precision -> the weights' dtype a step runs in
-_PRECISION_DTYPES = {
-    "32": "float32",
-    "32-true": "float32",
-    "bf16-true": "bfloat16",
-    "16-true": "float16",
-}
 
 
-def estimate_dtype(cfg: DictConfig) -> str:
-    """``estimate_dtype``, or the dtype the configured trainer's precision trains the weights in."""
+def estimate_precision(cfg: DictConfig) -> Dict[str, Any]:
+    """The estimate's ``dtype`` (``estimate_dtype``, when set) or else ``precision``: the configured trainer's, as it
+    trains (``bf16-mixed``: float32 weights, the step under autocast)."""
     if cfg.estimate_dtype is not None:
-        return str(cfg.estimate_dtype)
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    if precision not in _PRECISION_DTYPES:
-        raise ConfigError(
-            f"estimate=true: trainer.precision={precision} keeps float32 weights and runs the ops in a lower "
-            "precision under autocast, which the estimate does not model. Set estimate_dtype=bfloat16 (or float16, "
-            "float32) for the dtype of the weights and activations to estimate."
-        )
-    return _PRECISION_DTYPES[precision]
+        return {"dtype": str(cfg.estimate_dtype)}
+    return {"precision": str(cfg.trainer.get("precision", "32-true"))}
+
+
+def job_message(message: str) -> str:
+    """An estimator message in the job's words: each of its flags named as the job's key."""
+    return re.sub(r"--[a-z][a-z-]*", lambda flag: _JOB_KEYS.get(flag[0], flag[0]), message)
 
 
 def _modes(value: Any) -> Optional[List[str]]:
@@ -80,7 +77,7 @@ def run_estimate(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             str(cfg.model.family),
             int(cfg.data.seq_len),
             batch=int(cfg.data.batch_size),
-            dtype=estimate_dtype(cfg),
+            **estimate_precision(cfg),
             lora=int(cfg.lora.r) if lora else None,
             full_finetune=not lora,
             lora_targets=list(cfg.lora.target_modules) if lora else None,
@@ -91,11 +88,7 @@ def run_estimate(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except EstimateError as err:
-        message = str(err)
-        flag = re.match(r"--[a-z-]+", message)
-        if flag is not None and flag[0] in _JOB_KEYS:
-            message = _JOB_KEYS[flag[0]] + message[flag.end() :]
-        raise ConfigError(f"estimate=true: {message}") from None
+        raise ConfigError(f"estimate=true: {job_message(str(err))}") from None
     table = markdown(result)
     print(table, end="")
     data = to_json(result)

@@ -561,6 +561,18 @@ def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(t
     assert full["parameter_bytes"] == direct.step("full", 32).parameter_bytes
 
 
+def test_the_estimate_takes_the_trainers_precision_as_configured(tmp_path):
+    """trainer=gpu trains in bf16-mixed: the estimate counts float32 weights under autocast, as the run holds them."""
+    tiny = ("model.config.vocab_size=4096", "estimate_modes=[full]")
+    ok(train(tmp_path / "mixed", "estimate=true", "trainer=gpu", *tiny))
+    ok(train(tmp_path / "true", "estimate=true", "trainer.precision=bf16-true", *tiny))
+    mixed = json.loads((tmp_path / "mixed" / "run" / "estimate.json").read_text())
+    true = json.loads((tmp_path / "true" / "run" / "estimate.json").read_text())
+    assert mixed["dtype"] == "bf16-mixed (float32 weights, autocast)" and true["dtype"] == "bfloat16"
+    # float32 base weights against bf16 ones (the LoRA adapters are float32 in both)
+    assert mixed["steps"][0]["parameter_bytes"] > 1.8 * true["steps"][0]["parameter_bytes"]
+
+
 def yaml_config(name: str) -> dict:
     from omegaconf import OmegaConf
 
@@ -570,7 +582,8 @@ def yaml_config(name: str) -> dict:
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["trainer=gpu"], "trainer.precision=bf16-mixed keeps float32 weights"),
+        (["trainer.precision=transformer-engine"], "trainer.precision transformer-engine: NVIDIA Transformer"),
+        (["lora.r=0"], "estimate=true: lora.r 0: expected a rank >= 1 (or lora.enabled=false)"),
         (["estimate_modes=[nope]"], "estimate=true: estimate_modes nope: unknown mode"),
         (["estimate_device_memory=lots"], "estimate=true: estimate_device_memory"),
         (["estimate=maybe"], "estimate"),

@@ -26,6 +26,8 @@ from lightning_ac.estimate.cli import JSON_FIELDS, main
 from lightning_ac.estimate.fit import longest_fit
 from lightning_ac.estimate.models import Training, build_model, load_config, lora_targets, parse_set
 from lightning_ac.estimate.modes import Mode, resolve_modes
+from lightning_ac.estimate.optimizers import optimizer_choice
+from lightning_ac.estimate.precision import Precision, as_precision, precision_for
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks, step_trainer
 
@@ -33,6 +35,7 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 LORA = Training(4, tuple(ALL_LINEARS))
 FULL = Training(None)
 QLORA = Training(4, ("q_proj", "v_proj"), qlora=True)
+BF16_MIXED = precision_for("bf16-mixed")
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 
 
@@ -62,12 +65,14 @@ def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", ext
     """The same step measured for real on the CPU: two steps of a real Trainer, the second measured by the
     benchmark's StepMetrics (lightning_ac.memory.measure_step); and the callbacks, module and optimizer after it."""
     torch.manual_seed(0)
+    precision = as_precision(dtype)
+    dtype = precision.weights
     model = _qlora_model(config, dtype, training) if training.qlora else build_model(config, dtype, training, "cpu")
     callbacks = mode_callbacks(mode, config.num_hidden_layers)
     metrics = StepMetrics(measure_step=measured, warmup_steps=0)
-    trainer = step_trainer([*callbacks, metrics, *extra], max_steps=steps)
+    trainer = step_trainer([*callbacks, metrics, *extra], max_steps=steps, precision=precision.autocast)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    module = _Measured(model, optimizer, foreach=False, loss=training.loss)
+    module = _Measured(model, optimizer_choice(optimizer, "cpu"), loss=training.loss)
     trainer.fit(module, torch.utils.data.DataLoader([ids] * steps, batch_size=None))
     return metrics.peak.activation_bytes, callbacks, module, trainer
 
@@ -107,6 +112,15 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
+    # the optimizers users build: fused AdamW (no parameter-sized temporary), bitsandbytes' 8-bit AdamW (its state
+    # from its own init_state), SGD with momentum
+    ("llama", {}, torch.float32, FULL, "adamw_fused", 32, ["full"]),
+    ("llama", {}, torch.bfloat16, FULL, "adamw_8bit", 32, ["full"]),
+    pytest.param("llama", {}, torch.float32, FULL, "sgd_momentum", 32, ["off"], marks=SLOW),
+    # mixed precision as Lightning's plugin runs it (float32 weights, the step under CPU autocast bf16)
+    ("llama", {}, BF16_MIXED, FULL, "adamw", 32, ["off", "full"]),
+    ("qwen3", {}, BF16_MIXED, LORA, "adamw", 32, ["selective_attn", "offload_hidden"]),
+    pytest.param("gemma3_text", {}, BF16_MIXED, LORA, "adamw_fused", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
     # GPT-2: Conv1D projections (PEFT's default target c_attn), learned positions, a head tied to the embeddings
     ("gpt2", {}, torch.float32, Training(4, None), "adamw", 32, ["off", "full"]),
     # QLoRA: the decoder's linears bitsandbytes nf4, as from_pretrained loads them, against the same model loaded so
@@ -140,7 +154,8 @@ def _case_id(case) -> str:
     family, _, dtype, training, optimizer, seq, _ = case.values if hasattr(case, "values") else case
     kind = "full" if training.full_finetune else "qlora" if training.qlora else "lora"
     loss = "" if training.loss == "causal_lm" else f"-{training.loss}"
-    return f"{family}-{str(dtype)[6:]}-{kind}{loss}-{optimizer}-{seq}"
+    dtype = dtype.name if isinstance(dtype, Precision) else str(dtype)[6:]
+    return f"{family}-{dtype}-{kind}{loss}-{optimizer}-{seq}"
 
 
 @pytest.mark.parametrize(

@@ -467,6 +467,7 @@ def test_the_estimate_matches_the_allocator_for_a_1b_model_at_8k_tokens(mode_nam
 
     from lightning_ac.estimate.models import Training, build_model, load_config
     from lightning_ac.estimate.modes import resolve_modes
+    from lightning_ac.estimate.optimizers import optimizer_choice
     from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks
 
     sizes = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16)
@@ -484,7 +485,8 @@ def test_the_estimate_matches_the_allocator_for_a_1b_model_at_8k_tokens(mode_nam
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[*mode_callbacks(mode, config.num_hidden_layers), metrics])  # fmt: skip
     ids = torch.randint(0, config.vocab_size, (1, seq))
-    trainer.fit(_StepModule(model, "adamw", foreach=True), torch.utils.data.DataLoader([ids, ids], batch_size=None))
+    module = _StepModule(model, optimizer_choice("adamw", "cuda"))
+    trainer.fit(module, torch.utils.data.DataLoader([ids, ids], batch_size=None))
     measured = metrics.peak
     assert measured.source == "cuda_allocator"
     tolerance = max(0.02 * measured.activation_bytes, 256 * 2**20)

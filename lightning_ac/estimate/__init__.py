@@ -31,8 +31,10 @@ from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_byt
 from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
 from lightning_ac.estimate.models import lora_targets as _targets_of
 from lightning_ac.estimate.modes import CHUNKED, known_modes, resolve_modes
+from lightning_ac.estimate.optimizers import OPTIMIZERS, OptimizerArgument, optimizer_choice
+from lightning_ac.estimate.precision import PRECISIONS, as_precision, precision_for
 from lightning_ac.estimate.results import Estimate, LongestFit, StepEstimate
-from lightning_ac.estimate.step import OPTIMIZERS, fake_step
+from lightning_ac.estimate.step import fake_step
 from lightning_ac.fake import fake_session
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "EstimateError",
     "LongestFit",
     "OPTIMIZERS",
+    "PRECISIONS",
     "StepEstimate",
     "estimate",
     "known_modes",
@@ -56,7 +59,9 @@ NOTES = [
     "attention: the CPU's SDPA kernel saves what CUDA's flash kernel saves (q, k, v, out, logsumexp) for causal "
     "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors",
     "the step is the one after a first: the step before's gradients exist until Lightning zeroes them after the "
-    "forward; the optimizer's state exists; on a CUDA target the optimizer runs its foreach implementation, as there",
+    "forward; the optimizer's state exists; on a CUDA target adamw and sgd run their foreach implementation, as "
+    "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
+    "them",
     "offloading: host is host memory the offload engines hold (a pool apart from the device's); the copies run "
     "as on a CPU trainer (copy_on_host), without the accelerator's pinned pool of 1 MiB size classes",
 ]
@@ -65,10 +70,10 @@ NOTES = [
 def _check(
     seq: Sequence[int],
     batch: int,
-    dtype: str,
+    dtype: Optional[str],
     lora: Optional[int],
     full_finetune: bool,
-    optimizer: str,
+    optimizer: OptimizerArgument,
     target: str,
     seq_step: int,
 ) -> None:
@@ -78,13 +83,12 @@ def _check(
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
             raise EstimateError(f"{name} {bad[0]!r}: expected a whole number >= 1")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise EstimateError(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
     if not full_finetune and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
         # None too: a full fine-tune is asked for by name, never taken from a missing rank
         raise EstimateError(f"--lora {lora!r}: expected a rank >= 1 (or --full-finetune)")
-    if optimizer not in OPTIMIZERS:
-        raise EstimateError(f"--optimizer {optimizer}: choose from {', '.join(OPTIMIZERS)}")
+    optimizer_choice(optimizer, target)  # an unknown name or class fails before any step
     if target not in ("cuda", "cpu"):
         raise EstimateError(f"target {target!r}: cuda (allocations rounded to 512 bytes) or cpu (exact bytes)")
 
@@ -122,11 +126,11 @@ def estimate(
     model: str,
     seq: Union[int, Sequence[int]],
     batch: int = 1,
-    dtype: str = "bfloat16",
+    dtype: Optional[str] = None,
     lora: Optional[int] = 16,
     full_finetune: bool = False,
     lora_targets: Optional[Sequence[str]] = None,
-    optimizer: str = "adamw",
+    optimizer: OptimizerArgument = "adamw",
     modes: Optional[Sequence[str]] = None,
     device_memory: Union[int, str, Sequence[Union[int, str]], None] = None,
     overrides: Optional[Mapping[str, Any]] = None,
@@ -134,10 +138,11 @@ def estimate(
     longest: bool = True,
     seq_step: int = 512,
     progress: Optional[Callable[[str], None]] = None,
-    attention: str = "sdpa",
+    attention: Optional[str] = None,
     qlora: bool = False,
     loss: str = "causal_lm",
     first_step: bool = False,
+    precision: Union[str, int, None] = None,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -146,12 +151,16 @@ def estimate(
             model type (``llama``, ``qwen3``...), built from its config; nothing is downloaded.
         seq: Tokens per sequence: one length or several.
         batch: Sequences per step.
-        dtype: The weights' dtype: ``bfloat16``, ``float16`` or ``float32``.
+        dtype: The weights' dtype: ``bfloat16`` (the default), ``float16`` or ``float32``; every op runs in it (its
+            ``*-true`` precision). Not with ``precision``.
         lora: LoRA's rank (PEFT's default target modules for the model type, or ``lora_targets``); ignored with
             ``full_finetune``.
         full_finetune: Train every parameter instead of LoRA adapters.
         lora_targets: The modules LoRA adapts, instead of PEFT's default for the model type.
-        optimizer: ``adamw``, ``sgd`` (no momentum: no state) or ``none`` (gradients, no step).
+        optimizer: The optimizer: ``adamw`` (foreach on a CUDA target), ``adamw_fused``, ``adamw_8bit``
+            (bitsandbytes), ``sgd`` (no momentum: no state), ``sgd_momentum``, ``none`` (gradients, no step), or a
+            ``torch.optim`` class, alone or as ``(class, kwargs)``
+            (:func:`~lightning_ac.estimate.optimizers.optimizer_choice`).
         modes: Mode names (:func:`known_modes`), ``NAME+chunked_loss``, or ``chunked_loss`` (each mode with the
             chunked loss too); every suite mode when ``None``, and ``budget`` with ``device_memory``. ``budget``
             (and ``budget+chunked_loss``) needs ``device_memory``: the memory budget's plan for each device
@@ -165,11 +174,16 @@ def estimate(
         longest: With ``device_memory``, search each mode's longest length that fits (fake steps of their own).
         seq_step: The granularity of that search.
         progress: Called with a line as each fake step ends.
-        attention: The attention implementation (``sdpa``, as the estimate's notes assume, or ``eager``).
+        attention: The attention implementation: ``sdpa``, ``eager`` or ``flash_attention_2`` (run as SDPA's flash
+            kernel, which saves what it saves: :mod:`~lightning_ac.estimate.attention`); ``None``, what transformers
+            picks for the model (SDPA where the model supports it, else eager).
         qlora: The frozen base's decoder linears in bitsandbytes 4-bit (nf4), LoRA on top (not with
             ``full_finetune``).
         loss: ``causal_lm`` (the model's loss on ``labels=input_ids``) or ``last_logit_mean`` (``logits_to_keep=1``,
             ``logits.float().mean()``: Axolotl's memory measurements' loss).
+        precision: The precision as Lightning's ``Trainer(precision=...)`` takes it (``bf16-mixed``: float32
+            weights, gradients and optimizer state, the step under autocast; ``bf16-true``...;
+            :mod:`~lightning_ac.estimate.precision`). Not with ``dtype``.
         first_step: The step starts without gradients or optimizer state (a run's first, or one after
             ``zero_grad(set_to_none=True)``): they are allocated in it, and counted in its device total.
 
@@ -195,15 +209,26 @@ def estimate(
         )
     chosen = [] if others == [] else resolve_modes(others, training.full_finetune)  # [] when only budget's
     config = load_config(model, overrides or {}, attention)
-    torch_dtype = getattr(torch, dtype)
+    if precision is not None and dtype is not None:
+        raise EstimateError(
+            f"--dtype {dtype} with --precision {precision}: the precision decides the weights' dtype ({dtype}-only "
+            "runs are its *-true precisions). Give one of them."
+        )
+    if precision is not None:
+        chosen_precision = precision_for(precision)
+    else:
+        chosen_precision = as_precision(getattr(torch, dtype or "bfloat16"))
     with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
-        shape = build_model(config, torch_dtype, training)
+        shape = build_model(config, chosen_precision.weights, training)
+    shown = chosen_precision.dtype_name
+    if chosen_precision.autocast is not None:
+        shown = f"{chosen_precision.name} (float32 weights, autocast)"
     result = Estimate(
         model=model,
         description=describe(config, shape),
-        dtype=dtype,
+        dtype=shown,
         training=training.describe(None if training.full_finetune else _targets_of(config, training)),
-        optimizer=optimizer,
+        optimizer=optimizer_choice(optimizer, target).name,
         target=target,
         device_memory_bytes=devices,
         notes=list(NOTES) + ([MARGIN_NOTE] if devices else []),
@@ -211,7 +236,7 @@ def estimate(
     del shape
 
     def run(mode: Any, length: int) -> StepEstimate:
-        step = fake_step(config, torch_dtype, training, mode, length, batch, optimizer, target)
+        step = fake_step(config, chosen_precision, training, mode, length, batch, optimizer, target)
         if devices:
             on = [fits(step, device) for device in devices]
             step = dataclasses.replace(step, fits=on[0], fits_on=on, margin_bytes=margin_bytes(step.device_total_bytes))
@@ -226,7 +251,9 @@ def estimate(
             result.steps.append(run(mode, length))
     for name in budgets:
         for length in seqs:
-            step, plans = budget_plans(name, config, torch_dtype, training, length, batch, optimizer, target, devices)
+            step, plans = budget_plans(
+                name, config, chosen_precision, training, length, batch, optimizer, target, devices
+            )
             result.budget_plans += plans
             if progress is not None:
                 progress(f"estimate: {name} measuring step at {length} x {batch} tokens ({step.seconds:.1f} s)")

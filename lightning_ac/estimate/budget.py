@@ -15,7 +15,7 @@ ranks alike layers alike but says nothing of the device; they only decide betwee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +23,8 @@ import torch
 from lightning_ac.estimate.fit import CONTEXT_BYTES, FRAGMENTATION, margin_bytes
 from lightning_ac.estimate.models import Training
 from lightning_ac.estimate.modes import Mode
+from lightning_ac.estimate.optimizers import OptimizerArgument
+from lightning_ac.estimate.precision import Precision
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.step import fake_step
 
@@ -130,11 +132,11 @@ class BudgetFigures:
 def measure(
     name: str,
     config: Any,
-    dtype: torch.dtype,
+    dtype: Union[torch.dtype, Precision],
     training: Training,
     seq: int,
     batch: int,
-    optimizer: str = "adamw",
+    optimizer: OptimizerArgument = "adamw",
     target: str = "cuda",
     block: Optional[Dict[str, Any]] = None,
 ) -> Tuple[StepEstimate, BudgetFigures]:
@@ -177,11 +179,11 @@ def plan_for(name: str, seq: int, batch: int, figures: BudgetFigures, budget_byt
 def budget_plans(
     name: str,
     config: Any,
-    dtype: torch.dtype,
+    dtype: Union[torch.dtype, Precision],
     training: Training,
     seq: int,
     batch: int,
-    optimizer: str,
+    optimizer: OptimizerArgument,
     target: str,
     devices: List[int],
 ) -> Tuple[StepEstimate, List[BudgetPlan]]:

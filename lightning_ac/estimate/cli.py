@@ -10,7 +10,17 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from lightning_ac.estimate import DTYPES, OPTIMIZERS, Estimate, EstimateError, estimate, known_modes, presets
+from lightning_ac.estimate import (
+    DTYPES,
+    OPTIMIZERS,
+    PRECISIONS,
+    Estimate,
+    EstimateError,
+    estimate,
+    known_modes,
+    presets,
+)
+from lightning_ac.estimate.attention import ATTENTIONS
 from lightning_ac.estimate.models import LOSSES, parse_set
 from lightning_ac.estimate.render import markdown
 
@@ -62,7 +72,19 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq", type=int, nargs="+", required=True, help="tokens per sequence (one or more lengths)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the weights' dtype, every op run in it (default bfloat16); not with --precision",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        metavar="PRECISION",
+        help=f"the precision as Trainer(precision=...) takes it: {', '.join(PRECISIONS)} (mixed: float32 weights, "
+        "gradients and optimizer state, the step under autocast); not with --dtype",
+    )
     training = p.add_mutually_exclusive_group()
     training.add_argument("--lora", type=int, default=16, metavar="R", help="LoRA's rank (default 16)")
     training.add_argument("--full-finetune", action="store_true", help="train every parameter instead of LoRA")
@@ -71,6 +93,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--qlora", action="store_true", help="the frozen base's decoder linears in bitsandbytes 4-bit (nf4), with LoRA"
+    )
+    p.add_argument(
+        "--attn",
+        choices=ATTENTIONS,
+        default=None,
+        help="the attention implementation (default: what transformers picks for the model: sdpa where it supports "
+        "it, else eager); flash_attention_2 is counted as SDPA's flash kernel, which saves what it saves",
     )
     p.add_argument(
         "--loss",
@@ -167,6 +196,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             args.seq,
             batch=args.batch,
             dtype=args.dtype,
+            precision=args.precision,
             lora=None if args.full_finetune else args.lora,
             full_finetune=args.full_finetune,
             lora_targets=args.lora_targets,
@@ -178,6 +208,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             longest=not args.no_longest,
             seq_step=args.seq_step,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            attention=args.attn,
             qlora=args.qlora,
             loss=args.loss,
             first_step=args.first_step,

@@ -4,6 +4,7 @@ built on the meta device, with LoRA or for a full fine-tune. Nothing is download
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -88,10 +89,11 @@ def _base_config(model: str) -> Dict[str, Any]:
     )
 
 
-def load_config(model: str, overrides: Mapping[str, Any] = (), attention: str = "sdpa") -> Any:
+def load_config(model: str, overrides: Mapping[str, Any] = (), attention: Optional[str] = None) -> Any:
     """The transformers config ``model`` names, with ``overrides`` applied (dotted keys reach nested configs:
     ``text_config.hidden_size``). A ``layer_types`` list from the file is dropped when ``num_hidden_layers`` is
-    overridden without it (the model's default pattern for the new depth is used)."""
+    overridden without it (the model's default pattern for the new depth is used). ``attention``: the attention
+    implementation (:func:`~lightning_ac.estimate.attention.attention_for`; ``None``, the model's default)."""
     from transformers import AutoConfig
 
     data = _base_config(model)
@@ -111,10 +113,48 @@ def load_config(model: str, overrides: Mapping[str, Any] = (), attention: str = 
         data.pop(key, None)
     try:
         config = AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError) as err:
-        raise EstimateError(f"--model {model}: transformers rejects the config: {err}") from err
-    config._attn_implementation = attention
+    except Exception as err:  # ValueError, TypeError, huggingface_hub's StrictDataclassFieldValidationError...
+        named = re.search(r"field '(\w+)'", str(err))
+        field = named.group(1) if named else None
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        why = lines[-1] if lines else type(err).__name__
+        if field in overrides:
+            raise EstimateError(f"--set {field}={overrides[field]!r}: transformers rejects it ({why})") from None
+        raise EstimateError(f"--model {model}: transformers rejects the config ({why})") from None
+    _check_overrides(config, overrides)
+    from lightning_ac.estimate.attention import attention_for
+
+    config._attn_implementation = attention_for(config, attention)
     return config
+
+
+def _check_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Each ``--set`` value of the kind the config's own value is (a whole number where it holds one), and a model
+    with at least one decoder layer: transformers takes any value and fails later, deep in the model's code."""
+    defaults = type(config)()
+    for key, value in overrides.items():
+        if "." in key or not hasattr(defaults, key):
+            continue
+        default = getattr(defaults, key)
+        if isinstance(default, bool) or default is None or value is None:
+            expected = None if default is None or value is None or isinstance(value, bool) else "true or false"
+        elif isinstance(default, int):
+            expected = None if isinstance(value, int) and not isinstance(value, bool) else "a whole number"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            expected = None if ok else "a number"
+        else:
+            expected = None
+        if expected is not None:
+            raise EstimateError(
+                f"--set {key}={value!r}: expected {expected}, as the config's {key} is ({default!r} by default)"
+            )
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:
+        raise EstimateError(
+            f"--set num_hidden_layers={layers}: the model would have no decoder layer, and every mode acts on decoder "
+            "layers. Give at least 1."
+        )
 
 
 LOSSES = ("causal_lm", "last_logit_mean")
@@ -186,8 +226,15 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
     default. The tests build the real model they measure with it, on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise EstimateError(
+            f"--model {config.model_type}: transformers cannot build the model from this config "
+            f"({type(err).__name__}: {first[:300]}). Check the --set values."
+        ) from err
     if training.qlora:
         _four_bit_linears(model, dtype, device)
     if training.full_finetune:
@@ -258,9 +305,14 @@ def describe(config: Any, model: nn.Module) -> str:
     """The model's shape in one line."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from lightning_ac.estimate.attention import FLASH_STAND_IN
+
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    shown = "flash_attention_2 (counted as SDPA's flash kernel)" if attention == FLASH_STAND_IN else attention
     return (
         f"{config.model_type}: {count(params, 2)} parameters ({count(trainable, 1)} trainable), "
-        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}"
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}, "
+        f"attention {shown}"
     )
 
 

@@ -110,7 +110,8 @@ class Estimate:
         description: The model's shape in one line (parameters, layers, hidden size, vocabulary).
         dtype: The weights' dtype.
         training: ``lora r=16 (q_proj, v_proj)`` or ``full fine-tune``.
-        optimizer: ``adamw``, ``sgd`` or ``none``.
+        optimizer: The optimizer's name (:data:`~lightning_ac.estimate.optimizers.OPTIMIZERS`, or a class and its
+            arguments).
         target: The device the figures are for (``cuda``: storages rounded to 512 bytes; ``cpu``: exact).
         device_memory_bytes: The device sizes fits are judged against (empty when none was given).
         steps: One :class:`StepEstimate` per mode and length.

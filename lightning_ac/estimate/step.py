@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -25,13 +25,14 @@ from torch import nn
 from lightning_ac.estimate.flops import flop_registry
 from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error, pack_four_bit
 from lightning_ac.estimate.modes import Mode
+from lightning_ac.estimate.optimizers import OptimizerArgument, OptimizerChoice, optimizer_choice, state_on_host
+from lightning_ac.estimate.precision import Precision, as_precision
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
 from lightning_ac.fake import fake_mode, fake_session, patched
 
-__all__ = ["OPTIMIZERS", "fake_step", "flop_registry"]
+__all__ = ["fake_step", "flop_registry"]
 
-OPTIMIZERS = ("adamw", "sgd", "none")
 CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
 
 
@@ -55,12 +56,11 @@ class _StepModule(pl.LightningModule):
     (:class:`~lightning_ac.estimate.models.Training`), and the optimizer asked for."""
 
     def __init__(
-        self, model: nn.Module, optimizer: str, foreach: bool, loss: str = "causal_lm", first_step: bool = False
+        self, model: nn.Module, optimizer: OptimizerChoice, loss: str = "causal_lm", first_step: bool = False
     ) -> None:
         super().__init__()
         self.model = model
-        self.optimizer_name = optimizer
-        self.foreach = foreach
+        self.optimizer = optimizer
         self.loss = loss
         self.first_step = first_step
 
@@ -74,12 +74,7 @@ class _StepModule(pl.LightningModule):
         is not kept: the estimate reads the figures itself."""
 
     def configure_optimizers(self) -> Any:
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(trainable, lr=1e-6, foreach=self.foreach)
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(trainable, lr=1e-6, foreach=self.foreach)
-        return None
+        return self.optimizer.build([p for p in self.parameters() if p.requires_grad])
 
     def on_train_start(self) -> None:
         """What the step before left: every trainable parameter's gradient, and the optimizer's state (nothing
@@ -245,9 +240,12 @@ def mode_callbacks(mode: Mode, layers: int) -> List[Callback]:
     )
 
 
-def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = "auto") -> pl.Trainer:
+def step_trainer(
+    callbacks: List[Callback], max_steps: int = 1, strategy: Any = "auto", precision: Optional[str] = None
+) -> pl.Trainer:
     """A CPU Trainer that trains ``max_steps`` steps with ``callbacks`` and nothing else (no logger, checkpoints,
-    progress bar or summary); the user's ``PL_TRAINER_*`` variables are not its defaults."""
+    progress bar or summary); the user's ``PL_TRAINER_*`` variables are not its defaults. ``precision``: Lightning's
+    (``bf16-mixed``: autocast), ``None`` for the model's own dtype."""
     from lightning_ac.private_trainer import without_trainer_environment
 
     with without_trainer_environment():
@@ -255,6 +253,7 @@ def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = 
             accelerator="cpu",
             devices=1,
             strategy=strategy,
+            precision=precision or "32-true",
             max_steps=max_steps,
             logger=False,
             enable_checkpointing=False,
@@ -267,17 +266,18 @@ def step_trainer(callbacks: List[Callback], max_steps: int = 1, strategy: Any = 
 
 def fake_step(
     config: Any,
-    dtype: torch.dtype,
+    dtype: Union[torch.dtype, Precision],
     training: Training,
     mode: Mode,
     seq: int,
     batch: int,
-    optimizer: str = "adamw",
+    optimizer: OptimizerArgument = "adamw",
     target: str = "cuda",
     extra_callbacks: Sequence[Callback] = (),
 ) -> StepEstimate:
     """One training step of ``mode`` at ``batch`` x ``seq`` tokens on fake tensors (see the module's docstring);
-    ``extra_callbacks`` run beside the suite's (the budget's plan reads its controller there).
+    ``extra_callbacks`` run beside the suite's (the budget's plan reads its controller there). ``dtype``: the weights'
+    dtype (its ``*-true`` precision), or a :class:`~lightning_ac.estimate.precision.Precision`.
 
     Raises:
         EstimateError: If an op has no fake implementation (naming the op and the mode), or the mode does not apply
@@ -289,7 +289,14 @@ def fake_step(
     # a release newer than the tested ones checks each feature on real tensors, before the fake step (once a process)
     release_gate.ensure(_features(mode))
     started = time.perf_counter()
-    tracker = MemoryTracker(round_to=CUDA_BLOCK if target == "cuda" else 1, flop_registry=flop_registry())
+    choice = optimizer_choice(optimizer, target)
+    precision = as_precision(dtype)
+    dtype = precision.weights
+    tracker = MemoryTracker(
+        round_to=CUDA_BLOCK if target == "cuda" else 1,
+        flop_registry=flop_registry(),
+        host_state=state_on_host if target == "cuda" else None,
+    )
     measure = _Measure(tracker)
     with fake_session(), _engines_tagged(tracker):
         model = build_model(config, dtype, training)
@@ -302,9 +309,12 @@ def fake_step(
                 pack_four_bit(model, dtype)
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
-        module = _StepModule(model, optimizer, target == "cuda", training.loss, training.first_step)
+        module = _StepModule(model, choice, training.loss, training.first_step)
         trainer = step_trainer(
-            [*callbacks, *extra_callbacks, _HostOfStreamer(measure), measure], 1, _InPlace(device=torch.device("cpu"))
+            [*callbacks, *extra_callbacks, _HostOfStreamer(measure), measure],
+            1,
+            _InPlace(device=torch.device("cpu")),
+            precision=precision.autocast,
         )
         loader = _OneBatch(ids)  # not a DataLoader, which draws its seed from the random state
         try:

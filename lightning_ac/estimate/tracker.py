@@ -81,6 +81,8 @@ class MemoryTracker(TorchDispatchMode):
             exact bytes, as the CPU does.
         flop_registry: Per op (an ``OpOverloadPacket``), a function of the op's arguments and ``out_val`` giving its
             FLOPs (``torch.utils.flop_counter``'s formulas); ``None`` counts none.
+        host_state: Whether an optimizer's state tensor (the optimizer, its state key, the tensor) lives in host
+            memory on the target (:func:`~lightning_ac.estimate.optimizers.state_on_host`); ``None``: none does.
 
     Attributes:
         live: The bytes held now, per :class:`Kind`.
@@ -100,8 +102,14 @@ class MemoryTracker(TorchDispatchMode):
             ``"head"``); each activation remembers the region it was made in.
     """
 
-    def __init__(self, round_to: int = 1, flop_registry: Optional[Dict[Any, Callable[..., int]]] = None) -> None:
+    def __init__(
+        self,
+        round_to: int = 1,
+        flop_registry: Optional[Dict[Any, Callable[..., int]]] = None,
+        host_state: Optional[Callable[[Any, str, torch.Tensor], bool]] = None,
+    ) -> None:
         super().__init__()
+        self.host_state = host_state
         self.round_to = max(1, int(round_to))
         self.flop_registry = flop_registry or {}
         self.live: List[int] = [0] * len(Kind)
@@ -223,9 +231,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def _label_state(self, optimizer: Any) -> None:
         for state in getattr(optimizer, "state", {}).values():
-            for value in state.values():
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    self.label(value, Kind.OPTIMIZER)
+                    on_host = self.host_state is not None and self.host_state(optimizer, key, value)
+                    self.label(value, Kind.HOST if on_host else Kind.OPTIMIZER)
 
     def watch_gradients(self, modules: List[nn.Module]) -> None:
         """Count each trainable parameter's gradient as a gradient once autograd hands it over."""
