@@ -35,6 +35,8 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 LORA = Training(4, tuple(ALL_LINEARS))
 FULL = Training(None)
 QLORA = Training(4, ("q_proj", "v_proj"), qlora=True)
+QLORA_AS_LOADED = Training(4, ("q_proj", "v_proj"), qlora=True, qlora_prepared=False)
+QLORA_DOUBLE_FP4 = Training(4, ("q_proj", "v_proj"), qlora=True, double_quant=True, quant_type="fp4")
 BF16_MIXED = precision_for("bf16-mixed")
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 
@@ -86,9 +88,15 @@ def _qlora_model(config, dtype, training):
 
     with tempfile.TemporaryDirectory() as saved:
         AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(saved)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=training.quant_type,
+                                          bnb_4bit_use_double_quant=training.double_quant,
+                                          bnb_4bit_compute_dtype=dtype)  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu", quantization_config=quantization,
                                                      dtype=dtype)  # fmt: skip
+    if training.qlora_prepared:  # the recipe (its gradient checkpointing is the mode's business)
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     rank = training.lora_rank
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(config, training))
     return get_peft_model(model, lora).train()
@@ -98,7 +106,9 @@ def _quant_state_bytes(module) -> int:
     from bitsandbytes.nn import Linear4bit
 
     states = [m.weight.quant_state for m in module.modules() if isinstance(m, Linear4bit)]
-    return sum(s.absmax.nbytes + s.code.nbytes for s in states)
+    nested = [s.state2 for s in states if s.nested]
+    offsets = sum(s.offset.nbytes for s in states if s.nested)
+    return sum(s.absmax.nbytes + s.code.nbytes for s in states + nested) + offsets
 
 
 # (family, config overrides, dtype, training, optimizer, seq, modes): every mode and composition the estimate runs; the
@@ -126,6 +136,11 @@ CASES = [
     # QLoRA: the decoder's linears bitsandbytes nf4, as from_pretrained loads them, against the same model loaded so
     ("llama", {}, torch.float32, QLORA, "adamw", 32, ["off", "full", "selective_attn"]),
     pytest.param("llama", {}, torch.bfloat16, QLORA, "sgd", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
+    # the QLoRA recipe: prepared for k-bit training (bf16 embeddings, norms and head cast to float32) against as loaded,
+    # with double quantization and fp4
+    ("llama", {}, torch.bfloat16, QLORA, "adamw", 32, ["off", "full"]),
+    ("llama", {}, torch.bfloat16, QLORA_AS_LOADED, "adamw", 32, ["full"]),
+    pytest.param("llama", {}, torch.bfloat16, QLORA_DOUBLE_FP4, "adamw", 32, ["off", "full"], marks=SLOW),
     # Axolotl's memory measurements' loss: logits_to_keep=1, logits.float().mean()
     ("llama", {}, torch.bfloat16, Training(None, loss="last_logit_mean"), "adamw", 32, ["off", "full"]),
     pytest.param("gpt2", {}, torch.bfloat16, FULL, "adamw", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
@@ -153,6 +168,9 @@ CASES = [
 def _case_id(case) -> str:
     family, _, dtype, training, optimizer, seq, _ = case.values if hasattr(case, "values") else case
     kind = "full" if training.full_finetune else "qlora" if training.qlora else "lora"
+    if training.qlora:
+        kind += ("" if training.qlora_prepared else "-as-loaded") + ("-double" if training.double_quant else "")
+        kind += "" if training.quant_type == "nf4" else f"-{training.quant_type}"
     loss = "" if training.loss == "causal_lm" else f"-{training.loss}"
     dtype = dtype.name if isinstance(dtype, Precision) else str(dtype)[6:]
     return f"{family}-{dtype}-{kind}{loss}-{optimizer}-{seq}"
@@ -499,9 +517,14 @@ def test_a_first_step_allocates_its_gradients_and_the_optimizers_state_in_it(opt
 def test_qlora_and_the_loss_reach_the_table_from_the_cli(tiny_dir, capsys):
     argv = ["--model", tiny_dir, "--set", "num_hidden_layers=2", "--seq", "32", "--modes", "full", "--lora", "4"]
     lora = main(argv)
-    qlora = main(argv + ["--qlora", "--loss", "last_logit_mean"])
+    qlora = main(argv + ["--qlora-as-loaded", "--loss", "last_logit_mean"])
+    prepared = main(argv + ["--qlora", "--loss", "last_logit_mean"])
     out = capsys.readouterr().out
-    assert "qlora (nf4 base) r=4 (q_proj, v_proj), loss last_logit_mean" in out and qlora.training in out
+    assert "qlora (nf4 base, as loaded) r=4 (q_proj, v_proj), loss last_logit_mean" in out and qlora.training in out
+    assert "qlora (nf4 base, prepared for k-bit training) r=4" in out
+    # the recipe casts what is not 4-bit (embeddings, norms, head) to float32 (to the byte: test_the_estimate_equals_
+    # the_measured_cpu_step's QLoRA cases)
+    assert prepared.steps[0].parameter_bytes > qlora.steps[0].parameter_bytes
     # each decoder linear of n weights: 2n bf16 bytes become ceil(n / 2) packed bytes; its quant state, counted with
     # the buffers, is a float32 absmax per 64 weights and a 16-value float32 code; each storage in 512-byte blocks
     (base,), (four_bit,) = lora.steps, qlora.steps

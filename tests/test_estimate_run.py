@@ -96,6 +96,8 @@ def test_bad_precisions_are_refused(kwargs, words):
         (["--set", "hidden_size=63"], "transformers rejects the config"),
         (["--precision", "fp8"], "--precision fp8: choose from"),
         (["--optimizer", "adafactor"], "invalid choice: 'adafactor'"),
+        (["--double-quant"], "--double-quant and --quant-type describe the 4-bit base of a QLoRA run"),
+        (["--qlora", "--qlora-as-loaded"], "not allowed with argument"),
     ],
 )
 def test_bad_input_is_the_clis_one_line_error(capsys, argv, words):

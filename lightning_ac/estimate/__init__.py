@@ -143,6 +143,9 @@ def estimate(
     loss: str = "causal_lm",
     first_step: bool = False,
     precision: Union[str, int, None] = None,
+    qlora_as_loaded: bool = False,
+    double_quant: bool = False,
+    quant_type: str = "nf4",
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -177,8 +180,12 @@ def estimate(
         attention: The attention implementation: ``sdpa``, ``eager`` or ``flash_attention_2`` (run as SDPA's flash
             kernel, which saves what it saves: :mod:`~lightning_ac.estimate.attention`); ``None``, what transformers
             picks for the model (SDPA where the model supports it, else eager).
-        qlora: The frozen base's decoder linears in bitsandbytes 4-bit (nf4), LoRA on top (not with
-            ``full_finetune``).
+        qlora: The frozen base's decoder linears in bitsandbytes 4-bit, LoRA on top (not with ``full_finetune``),
+            counted as the QLoRA recipe trains it: after PEFT's ``prepare_model_for_kbit_training``
+            (:mod:`~lightning_ac.estimate.qlora`).
+        qlora_as_loaded: With ``qlora``: the 4-bit model as loaded, not prepared (for runs that skip it).
+        double_quant: With ``qlora``: ``bnb_4bit_use_double_quant``.
+        quant_type: With ``qlora``: ``nf4`` or ``fp4``.
         loss: ``causal_lm`` (the model's loss on ``labels=input_ids``) or ``last_logit_mean`` (``logits_to_keep=1``,
             ``logits.float().mean()``: Axolotl's memory measurements' loss).
         precision: The precision as Lightning's ``Trainer(precision=...)`` takes it (``bf16-mixed``: float32
@@ -199,7 +206,18 @@ def estimate(
     devices = _device_bytes(device_memory)
     targets = tuple(lora_targets) if lora_targets else None
     rank = None if full_finetune else lora
-    training = Training(rank, None if full_finetune else targets, qlora, loss, first_step)
+    if qlora_as_loaded and not qlora:
+        raise EstimateError("--qlora-as-loaded is a QLoRA run's 4-bit model as loaded: it stands in place of --qlora")
+    training = Training(
+        rank,
+        None if full_finetune else targets,
+        qlora,
+        loss,
+        first_step,
+        qlora_prepared=not qlora_as_loaded,
+        double_quant=double_quant,
+        quant_type=quant_type,
+    )
     budgets, others = _budget_modes(modes)
     if not modes and devices:  # every mode: the budget's too, which has a device's memory to plan for
         budgets = [BUDGET]

@@ -91,9 +91,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-targets", nargs="+", default=None, help="the modules LoRA adapts (default: PEFT's for the model type)"
     )
-    p.add_argument(
-        "--qlora", action="store_true", help="the frozen base's decoder linears in bitsandbytes 4-bit (nf4), with LoRA"
+    qlora = p.add_mutually_exclusive_group()
+    qlora.add_argument(
+        "--qlora",
+        action="store_true",
+        help="the QLoRA recipe: the frozen base's decoder linears in bitsandbytes 4-bit, LoRA on top, after PEFT's "
+        "prepare_model_for_kbit_training (embeddings, norms and head in float32)",
     )
+    qlora.add_argument(
+        "--qlora-as-loaded",
+        action="store_true",
+        help="in place of --qlora: the 4-bit model as loaded, for runs that skip prepare_model_for_kbit_training",
+    )
+    p.add_argument("--double-quant", action="store_true", help="with --qlora: bnb_4bit_use_double_quant")
+    p.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="with --qlora: default nf4")
     p.add_argument(
         "--attn",
         choices=ATTENTIONS,
@@ -209,7 +220,10 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             seq_step=args.seq_step,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             attention=args.attn,
-            qlora=args.qlora,
+            qlora=args.qlora or args.qlora_as_loaded,
+            qlora_as_loaded=args.qlora_as_loaded,
+            double_quant=args.double_quant,
+            quant_type=args.quant_type,
             loss=args.loss,
             first_step=args.first_step,
         )

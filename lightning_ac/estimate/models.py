@@ -15,6 +15,7 @@ from torch import nn
 __all__ = [
     "PRESETS_DIR",
     "EstimateError",
+    "QUANT_TYPES",
     "Training",
     "fake_op_error",
     "build_model",
@@ -158,7 +159,7 @@ def _check_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
 
 
 LOSSES = ("causal_lm", "last_logit_mean")
-QLORA_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one float32 absmax per 64 weights
+QUANT_TYPES = ("nf4", "fp4")
 
 
 @dataclass(frozen=True)
@@ -168,14 +169,19 @@ class Training:
     Attributes:
         lora_rank: LoRA's rank; ``None`` trains every parameter (a full fine-tune).
         lora_targets: The modules LoRA adapts (PEFT's defaults for the model type when ``None``).
-        qlora: The frozen base's decoder linears are bitsandbytes 4-bit (nf4, as ``BitsAndBytesConfig(load_in_4bit=True,
-            bnb_4bit_quant_type="nf4")`` loads them; no double quantization), the output head stays in the dtype.
+        qlora: The frozen base's decoder linears are bitsandbytes 4-bit, as ``BitsAndBytesConfig(load_in_4bit=True)``
+            loads them, LoRA on top (:mod:`~lightning_ac.estimate.qlora`).
         loss: ``causal_lm`` (the model's own loss, ``labels=input_ids``) or ``last_logit_mean`` (``logits_to_keep=1``
             and ``logits.float().mean()``: a loss without the output head's full logits, as Axolotl's memory
             measurements use).
         first_step: The step is a run's first: no gradients or optimizer state exist before it (as after
             ``zero_grad(set_to_none=True)``); they are allocated in the step and counted in its device total, not as
             what exists before it. Otherwise the step is the one after a first.
+        qlora_prepared: With ``qlora``: the model as the QLoRA recipe trains it, after PEFT's
+            ``prepare_model_for_kbit_training`` (the embeddings, norms and output head cast to float32); ``False``:
+            as loaded.
+        double_quant: With ``qlora``: ``bnb_4bit_use_double_quant`` (the absmax quantized to 8 bits).
+        quant_type: With ``qlora``: ``nf4`` or ``fp4`` (the same bytes).
     """
 
     lora_rank: Optional[int] = 16
@@ -183,10 +189,20 @@ class Training:
     qlora: bool = False
     loss: str = "causal_lm"
     first_step: bool = False
+    qlora_prepared: bool = True
+    double_quant: bool = False
+    quant_type: str = "nf4"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise EstimateError(f"--loss {self.loss}: choose from {', '.join(LOSSES)}")
+        if self.quant_type not in QUANT_TYPES:
+            raise EstimateError(f"--quant-type {self.quant_type}: choose from {', '.join(QUANT_TYPES)}")
+        if not self.qlora and (self.double_quant or self.quant_type != "nf4"):
+            raise EstimateError(
+                "--double-quant and --quant-type describe the 4-bit base of a QLoRA run: add --qlora (or "
+                "--qlora-as-loaded)"
+            )
         if self.qlora and self.full_finetune:
             raise EstimateError(
                 "--qlora with --full-finetune: QLoRA trains LoRA adapters on a frozen 4-bit base; a 4-bit weight "
@@ -202,9 +218,14 @@ class Training:
             text = "full fine-tune"
         else:
             shown = f" ({', '.join(targets)})" if targets else ""
-            text = f"{'qlora (nf4 base)' if self.qlora else 'lora'} r={self.lora_rank}{shown}"
+            text = f"{self._qlora_text() if self.qlora else 'lora'} r={self.lora_rank}{shown}"
         text = text if self.loss == "causal_lm" else f"{text}, loss {self.loss}"
         return f"{text}, a first step (no gradients before it)" if self.first_step else text
+
+    def _qlora_text(self) -> str:
+        base = self.quant_type + (" double-quant" if self.double_quant else "")
+        how = "prepared for k-bit training" if self.qlora_prepared else "as loaded"
+        return f"qlora ({base} base, {how})"
 
 
 def lora_targets(config: Any, training: Training) -> List[str]:
@@ -236,7 +257,11 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
             f"({type(err).__name__}: {first[:300]}). Check the --set values."
         ) from err
     if training.qlora:
-        _four_bit_linears(model, dtype, device)
+        from lightning_ac.estimate.qlora import four_bit_linears, prepare_for_kbit_training
+
+        four_bit_linears(model, dtype, device, training)
+        if training.qlora_prepared:
+            prepare_for_kbit_training(model)
     if training.full_finetune:
         model.requires_grad_(True)
         return model
@@ -251,54 +276,6 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
         raise EstimateError(
             f"LoRA on {config.model_type}: {err}. Name the modules to adapt (lora_targets=[...], --lora-targets)"
         ) from err
-
-
-def _four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any) -> None:
-    """The decoder's linears as bitsandbytes ``Linear4bit`` (nf4), as ``from_pretrained`` with a 4-bit
-    ``BitsAndBytesConfig`` makes them (transformers' own replacement; the output head stays), still unquantized on
-    meta: :func:`pack_four_bit` gives them their packed storage on fake tensors."""
-    if str(device) != "meta":
-        raise EstimateError(
-            "qlora: the estimate builds the 4-bit base on the meta device only; a real 4-bit model is loaded with "
-            "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
-        )
-    try:
-        from transformers import BitsAndBytesConfig
-        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    except ImportError as err:  # pragma: no cover - bitsandbytes is in the tests' extra
-        raise EstimateError(f"--qlora needs bitsandbytes: pip install bitsandbytes ({err})") from err
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quantization)
-    model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit model, and PEFT reads to wrap Linear4bit
-
-
-def pack_four_bit(model: nn.Module, dtype: torch.dtype) -> None:
-    """Inside the fake mode, after ``to_empty``: each ``Linear4bit``'s weight as bitsandbytes stores a quantized one,
-    packed (two 4-bit values a byte, shape ``(n / 2, 1)``, uint8) with its quant state (a float32 absmax per
-    :data:`QLORA_BLOCKSIZE` weights and the 16-value nf4 code), which the estimate holds as buffers of the layer so
-    that they are counted with the weights (bitsandbytes keeps them on the weight, where they are neither).
-    """
-    import math
-
-    from bitsandbytes.functional import QuantState
-    from bitsandbytes.nn import Linear4bit
-
-    for module in model.modules():
-        if not isinstance(module, Linear4bit):
-            continue
-        out_features, in_features = module.out_features, module.in_features
-        n = out_features * in_features
-        absmax = torch.empty(math.ceil(n / QLORA_BLOCKSIZE), dtype=torch.float32)
-        code = torch.empty(16, dtype=torch.float32)
-        state = QuantState(absmax=absmax, shape=torch.Size([out_features, in_features]), code=code,
-                           blocksize=QLORA_BLOCKSIZE, quant_type="nf4", dtype=dtype)  # fmt: skip
-        # a plain parameter: bitsandbytes' Params4bit cannot wrap a fake tensor, and Linear4bit reads only what is set
-        weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8), requires_grad=False)
-        weight.quant_state, weight.quant_type, weight.compress_statistics = state, "nf4", False
-        weight.blocksize = QLORA_BLOCKSIZE
-        module.weight = weight
-        module.register_buffer("_estimate_absmax", absmax, persistent=False)
-        module.register_buffer("_estimate_code", code, persistent=False)
 
 
 def describe(config: Any, model: nn.Module) -> str:

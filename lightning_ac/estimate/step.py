@@ -23,10 +23,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
 from lightning_ac.estimate.flops import flop_registry
-from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error, pack_four_bit
+from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.optimizers import OptimizerArgument, OptimizerChoice, optimizer_choice, state_on_host
 from lightning_ac.estimate.precision import Precision, as_precision
+from lightning_ac.estimate.qlora import pack_four_bit
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
 from lightning_ac.fake import fake_mode, fake_session, patched
@@ -306,7 +307,7 @@ def fake_step(
             if getattr(config, "tie_word_embeddings", False):
                 model.tie_weights()
             if training.qlora:
-                pack_four_bit(model, dtype)
+                pack_four_bit(model, dtype, training)
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
         module = _StepModule(model, choice, training.loss, training.first_step)

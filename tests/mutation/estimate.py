@@ -26,9 +26,9 @@ MUTANTS: List[Mutant] = [
         (f"{EXACT}::test_each_storage_is_rounded_up_to_the_cuda_block",),
     ),
     Mutant(
-        "lightning_ac/estimate/models.py",
-        "absmax = torch.empty(math.ceil(n / QLORA_BLOCKSIZE), dtype=torch.float32)",
-        "absmax = torch.empty(n // QLORA_BLOCKSIZE + 1, dtype=torch.float32)",
+        "lightning_ac/estimate/qlora.py",
+        "blocks = math.ceil(n / BLOCKSIZE)",
+        "blocks = n // BLOCKSIZE + 1",
         "a 4-bit weight of an exact number of 64-weight blocks counts one absmax too many",
         (
             f"{EXACT}::test_a_four_bit_weight_packs_two_a_byte_with_one_absmax_a_block",
