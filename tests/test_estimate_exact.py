@@ -310,11 +310,10 @@ def test_a_four_bit_weight_packs_two_a_byte_with_one_absmax_a_block(in_features,
     """The QLoRA weights' storage as bitsandbytes makes it: ceil(n / 2) bytes and ceil(n / 64) float32 absmax."""
     from bitsandbytes.nn import Linear4bit
 
-    from lightning_ac.estimate.models import Training
     from lightning_ac.estimate.qlora import pack_four_bit
 
     model = nn.Sequential(Linear4bit(in_features, out_features, bias=False, quant_type="nf4"))
-    pack_four_bit(model, torch.bfloat16, Training(4, qlora=True))
+    pack_four_bit(model, torch.bfloat16)
     layer = model[0]
     assert tuple(layer.weight.shape) == (packed, 1) and layer.weight.dtype == torch.uint8
     assert tuple(layer._estimate_absmax.shape) == (absmax,) and tuple(layer._estimate_code.shape) == (16,)

@@ -102,10 +102,9 @@ def parse_count(value: Any, name: str, *, minimum: int = 0, fix: str = "") -> in
 
 
 def parse_size(value: Any, name: str) -> int:
-    """A memory size: a positive int of bytes (or its digits as text: ``"85097971712"``), or text with a unit
-    (``"24GiB"``, ``"512MiB"``, ``"20GB"``, ``"300 MB"``; binary and decimal units, any case). Booleans, zero,
-    negatives and unknown units are errors; so is ``auto``, which the ``budget`` field resolves itself
-    (:func:`parse_budget`) before it asks for a size.
+    """A memory size: a positive int of bytes, or text with a unit (``"24GiB"``, ``"512MiB"``, ``"20GB"``,
+    ``"300 MB"``; binary and decimal units, any case). Booleans, zero, negatives and unknown units are errors; so is
+    ``auto``, which the ``budget`` field resolves itself (:func:`parse_budget`) before it asks for a size.
 
     Returns:
         The size in bytes.
@@ -128,10 +127,6 @@ def parse_size(value: Any, name: str) -> int:
         raise expected_error(name, expected, value, "Give the activation memory one training step may use.")
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())  # a bare byte count, as torch reports a device's memory (85097971712)
-        if value > 0:
-            return value
     size = size_from_text(value) if isinstance(value, str) else None
     if size is None:
         units = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)"

@@ -116,6 +116,9 @@ def _device_bytes(device_memory: Union[int, str, Sequence[Union[int, str]], None
     from lightning_ac.config import ConfigError, parse_size
 
     sizes = [device_memory] if isinstance(device_memory, (int, str)) else list(device_memory)
+    # a bare byte count given as text is bytes here (a command line's, torch's figure for a device: 85097971712);
+    # the config block keeps text for sizes with a unit, where "12" would be ambiguous
+    sizes = [int(size) if isinstance(size, str) and size.strip().isdigit() else size for size in sizes]
     try:
         return [parse_size(size, "--device-memory") for size in sizes]
     except ConfigError as err:

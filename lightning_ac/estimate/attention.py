@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_ac.estimate.models import EstimateError
+from lightning_ac.estimate.errors import EstimateError
 
 __all__ = ["ATTENTIONS", "FLASH_STAND_IN", "attention_for"]
 

@@ -12,6 +12,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_ac.estimate.attention import FLASH_STAND_IN, attention_for
+from lightning_ac.estimate.errors import EstimateError
+from lightning_ac.estimate.qlora import four_bit_linears, prepare_for_kbit_training
+
 __all__ = [
     "PRESETS_DIR",
     "EstimateError",
@@ -26,10 +30,6 @@ __all__ = [
 ]
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
-
-
-class EstimateError(ValueError):
-    """An estimate that cannot be made as asked: the message names what, and what to do instead."""
 
 
 def presets() -> List[str]:
@@ -123,8 +123,6 @@ def load_config(model: str, overrides: Mapping[str, Any] = (), attention: Option
             raise EstimateError(f"--set {field}={overrides[field]!r}: transformers rejects it ({why})") from None
         raise EstimateError(f"--model {model}: transformers rejects the config ({why})") from None
     _check_overrides(config, overrides)
-    from lightning_ac.estimate.attention import attention_for
-
     config._attn_implementation = attention_for(config, attention)
     return config
 
@@ -257,9 +255,7 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
             f"({type(err).__name__}: {first[:300]}). Check the --set values."
         ) from err
     if training.qlora:
-        from lightning_ac.estimate.qlora import four_bit_linears, prepare_for_kbit_training
-
-        four_bit_linears(model, dtype, device, training)
+        four_bit_linears(model, dtype, device, training.quant_type, training.double_quant)
         if training.qlora_prepared:
             prepare_for_kbit_training(model)
     if training.full_finetune:
@@ -282,8 +278,6 @@ def describe(config: Any, model: nn.Module) -> str:
     """The model's shape in one line."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from lightning_ac.estimate.attention import FLASH_STAND_IN
-
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     shown = "flash_attention_2 (counted as SDPA's flash kernel)" if attention == FLASH_STAND_IN else attention
     return (

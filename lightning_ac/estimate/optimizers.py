@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type, Union
 import torch
 from torch import nn
 
-from lightning_ac.estimate.models import EstimateError
+from lightning_ac.estimate.errors import EstimateError
 
 __all__ = ["OPTIMIZERS", "OptimizerChoice", "optimizer_choice", "state_on_host"]
 

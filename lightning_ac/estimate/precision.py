@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from lightning_ac.estimate.models import EstimateError
+from lightning_ac.estimate.errors import EstimateError
 
 __all__ = ["PRECISIONS", "Precision", "as_precision", "precision_for"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ac.estimate.models import EstimateError, Training
+from lightning_ac.estimate.errors import EstimateError
 
 __all__ = ["BLOCKSIZE", "NESTED_BLOCKSIZE", "four_bit_linears", "pack_four_bit", "prepare_for_kbit_training"]
 
@@ -24,7 +24,7 @@ BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
 NESTED_BLOCKSIZE = 256  # double quantization: the absmax quantized to 8 bits, one float32 absmax per 256 of them
 
 
-def four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any, training: Training) -> None:
+def four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any, quant_type: str, double_quant: bool) -> None:
     """The decoder's linears as bitsandbytes ``Linear4bit``, as ``from_pretrained`` with a 4-bit
     ``BitsAndBytesConfig`` makes them (transformers' own replacement; the output head stays), still unquantized on
     meta: :func:`pack_four_bit` gives them their packed storage on fake tensors."""
@@ -40,8 +40,8 @@ def four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any, training
         raise EstimateError(f"--qlora needs bitsandbytes: pip install bitsandbytes ({err})") from err
     quantization = BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=training.quant_type,
-        bnb_4bit_use_double_quant=training.double_quant,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=dtype,
     )
     replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quantization)
@@ -55,7 +55,7 @@ def prepare_for_kbit_training(model: nn.Module) -> None:
     prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def pack_four_bit(model: nn.Module, dtype: torch.dtype, training: Training) -> None:
+def pack_four_bit(model: nn.Module, dtype: torch.dtype, quant_type: str = "nf4", double_quant: bool = False) -> None:
     """Inside the fake mode, after ``to_empty``: each ``Linear4bit``'s weight as bitsandbytes stores a quantized one,
     packed (two 4-bit values a byte, shape ``(n / 2, 1)``, uint8) with its quant state (an absmax per
     :data:`BLOCKSIZE` weights, float32, or with double quantization uint8 with a float32 absmax per
@@ -74,26 +74,26 @@ def pack_four_bit(model: nn.Module, dtype: torch.dtype, training: Training) -> N
         blocks = math.ceil(n / BLOCKSIZE)
         code = torch.empty(16, dtype=torch.float32)
         held = {"_estimate_code": code}
-        if training.double_quant:
+        if double_quant:
             nested_absmax = torch.empty(math.ceil(blocks / NESTED_BLOCKSIZE), dtype=torch.float32)
             nested_code = torch.empty(256, dtype=torch.float32)
             nested = QuantState(absmax=nested_absmax, code=nested_code, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
             absmax = torch.empty(blocks, dtype=torch.uint8)
             offset = torch.empty((), dtype=torch.float32)
             state = QuantState(absmax=absmax, shape=torch.Size([out_features, in_features]), code=code,
-                               blocksize=BLOCKSIZE, quant_type=training.quant_type, dtype=dtype, offset=offset,
+                               blocksize=BLOCKSIZE, quant_type=quant_type, dtype=dtype, offset=offset,
                                state2=nested)  # fmt: skip
             held.update(_estimate_nested_absmax=nested_absmax, _estimate_nested_code=nested_code)
             held["_estimate_offset"] = offset
         else:
             absmax = torch.empty(blocks, dtype=torch.float32)
             state = QuantState(absmax=absmax, shape=torch.Size([out_features, in_features]), code=code,
-                               blocksize=BLOCKSIZE, quant_type=training.quant_type, dtype=dtype)  # fmt: skip
+                               blocksize=BLOCKSIZE, quant_type=quant_type, dtype=dtype)  # fmt: skip
         held["_estimate_absmax"] = absmax
         # a plain parameter: bitsandbytes' Params4bit cannot wrap a fake tensor, and Linear4bit reads only what is set
         weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8), requires_grad=False)
-        weight.quant_state, weight.quant_type = state, training.quant_type
-        weight.compress_statistics = training.double_quant
+        weight.quant_state, weight.quant_type = state, quant_type
+        weight.compress_statistics = double_quant
         weight.blocksize = BLOCKSIZE
         module.weight = weight
         for name, tensor in held.items():

@@ -307,7 +307,7 @@ def fake_step(
             if getattr(config, "tie_word_embeddings", False):
                 model.tie_weights()
             if training.qlora:
-                pack_four_bit(model, dtype, training)
+                pack_four_bit(model, dtype, training.quant_type, training.double_quant)
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
         module = _StepModule(model, choice, training.loss, training.first_step)
