@@ -563,14 +563,20 @@ def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(t
 
 def test_the_estimate_takes_the_trainers_precision_as_configured(tmp_path):
     """trainer=gpu trains in bf16-mixed: the estimate counts float32 weights under autocast, as the run holds them."""
-    tiny = ("model.config.vocab_size=4096", "estimate_modes=[full]")
-    ok(train(tmp_path / "mixed", "estimate=true", "trainer=gpu", *tiny))
-    ok(train(tmp_path / "true", "estimate=true", "trainer.precision=bf16-true", *tiny))
-    mixed = json.loads((tmp_path / "mixed" / "run" / "estimate.json").read_text())
-    true = json.loads((tmp_path / "true" / "run" / "estimate.json").read_text())
-    assert mixed["dtype"] == "bf16-mixed (float32 weights, autocast)" and true["dtype"] == "bfloat16"
+    ok(train(tmp_path, "estimate=true", "trainer=gpu", "model.config.vocab_size=4096", "estimate_modes=[full]"))
+    mixed = json.loads((tmp_path / "run" / "estimate.json").read_text())
+    assert mixed["dtype"] == "bf16-mixed (float32 weights, autocast)"
+    from lightning_ac.estimate import estimate
+
+    # the same model and batch in bf16-true (SMALL: 2 layers, hidden 64, intermediate 128, 2 x 32 tokens)
+    overrides = {**yaml_config("model/llama.yaml"), "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2}  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    true = estimate(
+        "llama", 32, batch=2, precision="bf16-true", lora_targets=targets, modes=["full"], overrides=overrides
+    )
     # float32 base weights against bf16 ones (the LoRA adapters are float32 in both)
-    assert mixed["steps"][0]["parameter_bytes"] > 1.8 * true["steps"][0]["parameter_bytes"]
+    assert mixed["steps"][0]["parameter_bytes"] > 1.8 * true.steps[0].parameter_bytes
 
 
 def yaml_config(name: str) -> dict:

@@ -129,7 +129,7 @@ CASES = [
     pytest.param("llama", {}, torch.float32, FULL, "sgd_momentum", 32, ["off"], marks=SLOW),
     # mixed precision as Lightning's plugin runs it (float32 weights, the step under CPU autocast bf16)
     ("llama", {}, BF16_MIXED, FULL, "adamw", 32, ["off", "full"]),
-    ("qwen3", {}, BF16_MIXED, LORA, "adamw", 32, ["selective_attn", "offload_hidden"]),
+    pytest.param("qwen3", {}, BF16_MIXED, LORA, "adamw", 32, ["selective_attn", "offload_hidden"], marks=SLOW),
     pytest.param("gemma3_text", {}, BF16_MIXED, LORA, "adamw_fused", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
     # GPT-2: Conv1D projections (PEFT's default target c_attn), learned positions, a head tied to the embeddings
     ("gpt2", {}, torch.float32, Training(4, None), "adamw", 32, ["off", "full"]),
@@ -139,7 +139,7 @@ CASES = [
     # the QLoRA recipe: prepared for k-bit training (bf16 embeddings, norms and head cast to float32) against as loaded,
     # with double quantization and fp4
     ("llama", {}, torch.bfloat16, QLORA, "adamw", 32, ["off", "full"]),
-    ("llama", {}, torch.bfloat16, QLORA_AS_LOADED, "adamw", 32, ["full"]),
+    pytest.param("llama", {}, torch.bfloat16, QLORA_AS_LOADED, "adamw", 32, ["full"], marks=SLOW),
     pytest.param("llama", {}, torch.bfloat16, QLORA_DOUBLE_FP4, "adamw", 32, ["off", "full"], marks=SLOW),
     # Axolotl's memory measurements' loss: logits_to_keep=1, logits.float().mean()
     ("llama", {}, torch.bfloat16, Training(None, loss="last_logit_mean"), "adamw", 32, ["off", "full"]),
@@ -332,6 +332,7 @@ def _caller_state():
     import transformers.masking_utils as masking_utils
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     import lightning_ac.offload.device as device
     import lightning_ac.offload.engine as engine
@@ -351,6 +352,7 @@ def _caller_state():
         "engines": (engine.TransferEngine.__dict__["_host_buffer"], weights.LayerResidency.__dict__["_load"]),
         "loggers": [logging.getLogger(n).level for n in ("lightning.pytorch", "lightning_ac", "transformers")],
         "warning filters": list(warnings.filters),
+        "attention registries": (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)),
     }
 
 
@@ -361,11 +363,14 @@ def _assert_unchanged(before, after):
 
 def test_the_caller_state_is_left_as_it_was(tiny_dir):
     """RNG, default dtype and device, the patched transformers function, the storage pointer, fake-mode caches, the
-    engines' seams, log levels and warning filters are the caller's again after an estimate (one that raised too)."""
+    engines' seams, log levels, warning filters and transformers' attention registries are the caller's again after
+    an estimate (one that raised too)."""
     torch.manual_seed(123)
     random.seed(5)
     before = _caller_state()
-    result = estimate(tiny_dir, seq=16, batch=1, modes=["full", "offload_hidden", "layer_offload"])
+    # flash attention's stand-in is registered with transformers for the estimate only
+    modes = ["full", "offload_hidden", "layer_offload"]
+    result = estimate(tiny_dir, seq=16, batch=1, modes=modes, attention="flash_attention_2")
     _assert_unchanged(before, _caller_state())
     assert [s.mode for s in result.steps] == ["full", "offload_hidden", "layer_offload"]
     moe = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **MOE}

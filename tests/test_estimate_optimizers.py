@@ -40,8 +40,8 @@ def test_fused_adamw_makes_no_parameter_sized_temporary():
 def test_the_step_counters_are_host_memory_on_cuda_unless_fused():
     sizes = _trainable_bytes()
     foreach, fused = _step("adamw"), _step("adamw_fused")
-    # one 0-dim float32 counter per trainable tensor, 512 bytes each under the CUDA allocator: on the device only
-    # for the fused optimizer
+    # one 0-dim float32 counter per trainable tensor, each storage counted in the CUDA estimate's 512-byte blocks: on
+    # the device only for the fused optimizer
     assert fused.optimizer_bytes - foreach.optimizer_bytes == 512 * len(sizes)
     assert foreach.host_bytes == 512 * len(sizes) and fused.host_bytes == 0
     # a CPU estimate counts exact bytes, where the host is the device
@@ -110,6 +110,11 @@ def test_any_torch_optimizer_with_its_arguments():
     )
     assert result.optimizer == "Adam(betas=(0.9, 0.95), foreach=False)"
     assert result.steps[0].optimizer_bytes > 0
+    # a class on a CUDA target runs foreach, torch's default there, unless its arguments say otherwise
+    assert optimizer_choice(torch.optim.AdamW).kwargs["foreach"] is True
+    assert "foreach" not in optimizer_choice(torch.optim.AdamW, "cpu").kwargs
+    assert "foreach" not in optimizer_choice((torch.optim.AdamW, {"fused": True})).kwargs
+    assert optimizer_choice(torch.optim.AdamW).name == "AdamW()"
     assert estimate("llama", 32, overrides=tiny_config("llama").to_diff_dict(), modes=["off"],
                     optimizer=torch.optim.Adagrad).optimizer == "Adagrad()"  # fmt: skip
 

@@ -44,6 +44,15 @@ def test_flash_attention_saves_what_sdpas_flash_kernel_saves():
     assert flash2 < eager2 and "flash_attention_2 (counted as SDPA's flash kernel)" in gemma_flash.description
 
 
+def test_flash_attention_keeps_no_mask_past_a_sliding_window():
+    """Past the window transformers builds SDPA a real mask, which SDPA's kernel keeps for backward; flash attention
+    takes none: the stand-in's peak is SDPA's own for a model without sliding layers."""
+    windowed = dict(GEMMA2, sliding_window=64)
+    _, flash = _peak("gemma2", windowed, attention="flash_attention_2")
+    _, unwindowed = _peak("gemma2", dict(GEMMA2, sliding_window=4096), attention="flash_attention_2")
+    assert flash == unwindowed
+
+
 @pytest.mark.parametrize(
     "model, overrides, attention, words",
     [
@@ -77,6 +86,7 @@ def test_precision_as_lightning_names_it():
         ({"precision": "transformer-engine"}, "NVIDIA Transformer Engine"),
         ({"precision": "bf16-mixd"}, "--precision bf16-mixd: choose from 32-true, bf16-true"),
         ({"precision": "bf16-mixed", "dtype": "float32"}, "Give one of them"),
+        ({"precision": "bf16-mixed", "qlora": True}, "does not yet count a 4-bit base under autocast"),
     ],
 )
 def test_bad_precisions_are_refused(kwargs, words):

@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_ac.estimate.attention import stand_in_registered
 from lightning_ac.estimate.budget import BUDGET, BudgetPlan, budget_plans
 from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
 from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
@@ -206,6 +207,23 @@ def estimate(
     """
     seqs = [seq] if isinstance(seq, int) else list(seq)
     _check(seqs, batch, dtype, lora, full_finetune, optimizer, target, seq_step)
+    if precision is not None and dtype is not None:
+        raise EstimateError(
+            f"--dtype {dtype} with --precision {precision}: the precision decides the weights' dtype (--dtype "
+            "bfloat16 is --precision bf16-true). Give one of them."
+        )
+    if precision is not None:
+        chosen_precision = precision_for(precision)
+    else:
+        chosen_precision = as_precision(getattr(torch, dtype or "bfloat16"))
+    if qlora and chosen_precision.autocast is not None:
+        # the recipe loads the base in bf16 with a bf16 compute dtype and casts the rest to float32; under autocast
+        # that is neither the float32 model a mixed run builds nor what the estimate's 4-bit layers would compute in
+        raise EstimateError(
+            f"--qlora with --precision {chosen_precision.name}: the estimate does not yet count a 4-bit base under "
+            "autocast (the recipe's bf16 base and compute dtype, float32 rest). Estimate --precision bf16-true, whose "
+            "4-bit layers compute in bf16 as the recipe's do."
+        )
     devices = _device_bytes(device_memory)
     targets = tuple(lora_targets) if lora_targets else None
     rank = None if full_finetune else lora
@@ -230,16 +248,7 @@ def estimate(
         )
     chosen = [] if others == [] else resolve_modes(others, training.full_finetune)  # [] when only budget's
     config = load_config(model, overrides or {}, attention)
-    if precision is not None and dtype is not None:
-        raise EstimateError(
-            f"--dtype {dtype} with --precision {precision}: the precision decides the weights' dtype ({dtype}-only "
-            "runs are its *-true precisions). Give one of them."
-        )
-    if precision is not None:
-        chosen_precision = precision_for(precision)
-    else:
-        chosen_precision = as_precision(getattr(torch, dtype or "bfloat16"))
-    with fake_session():  # quiet, and leaving the caller's state as it was, as the fake steps do
+    with fake_session(), stand_in_registered(config):  # quiet, leaving the caller's state as it was, as the steps do
         shape = build_model(config, chosen_precision.weights, training)
     shown = chosen_precision.dtype_name
     if chosen_precision.autocast is not None:

@@ -10,11 +10,12 @@ values, not what is saved.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from lightning_ac.estimate.errors import EstimateError
 
-__all__ = ["ATTENTIONS", "FLASH_STAND_IN", "attention_for"]
+__all__ = ["ATTENTIONS", "FLASH_STAND_IN", "attention_for", "stand_in_registered"]
 
 ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
 FLASH_STAND_IN = "lightning_ac_fa_stand_in"  # no "sdpa" or "flash" in it: transformers checks names for those
@@ -47,7 +48,6 @@ def attention_for(config: Any, asked: Optional[str]) -> str:
                 f"--attn flash_attention_2: transformers does not run {cls.__name__} with flash attention. Use "
                 "--attn eager or sdpa (or leave --attn out: the model's default)"
             )
-        _register_flash_stand_in()
         return FLASH_STAND_IN
     return asked
 
@@ -61,15 +61,31 @@ def _model_class(config: Any) -> type:
         raise EstimateError(f"--model: transformers has no causal-LM model for {config.model_type}") from err
 
 
-def _register_flash_stand_in() -> None:
+@contextlib.contextmanager
+def stand_in_registered(config: Any) -> Iterator[None]:
+    """Inside: the flash-attention stand-in is registered with transformers (its attention and mask functions) when
+    ``config`` asks for it; on exit the registries are as they were (an estimate leaves the process as it found it)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import flash_attention_mask
+
+    # the registries' own mapping: register() has no counterpart that removes a key
+    registries = (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping)
+    if getattr(config, "_attn_implementation", None) != FLASH_STAND_IN or FLASH_STAND_IN in registries[0]:
+        yield
+        return
 
     def flash_as_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
-        for name in ("softcap", "s_aux", "sliding_window"):  # values, not what is saved
+        for name in ("softcap", "s_aux", "sliding_window"):  # values (the kernel's own window), not what is saved
             kwargs.pop(name, None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(FLASH_STAND_IN, flash_as_sdpa)
-    AttentionMaskInterface.register(FLASH_STAND_IN, sdpa_mask)
+    # flash attention's mask: none for a batch without padding, so SDPA runs its causal flash kernel and keeps no
+    # seq x seq mask (sdpa's would, past a sliding window)
+    AttentionMaskInterface.register(FLASH_STAND_IN, flash_attention_mask)
+    try:
+        yield
+    finally:
+        for registry in registries:
+            registry.pop(FLASH_STAND_IN, None)

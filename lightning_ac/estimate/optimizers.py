@@ -10,6 +10,7 @@ capturable), a CUDA estimate counts it there: :func:`state_on_host`.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
@@ -81,8 +82,11 @@ def optimizer_choice(value: OptimizerArgument, target: str = "cuda") -> Optimize
             f"optimizer={value!r}: expected one of {', '.join(OPTIMIZERS)}, a torch.optim.Optimizer class, or "
             "(class, keyword arguments), e.g. (torch.optim.Adam, {'betas': (0.9, 0.95)})"
         )
-    kwargs = {"lr": _LR, **kwargs}
     shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "lr")
+    kwargs = {"lr": _LR, **kwargs}
+    takes = inspect.signature(cls.__init__).parameters
+    if target == "cuda" and "foreach" in takes and "foreach" not in kwargs and not kwargs.get("fused"):
+        kwargs["foreach"] = True  # torch's default on CUDA tensors; the fake step's are CPU tensors
     return OptimizerChoice(f"{cls.__name__}({shown})", cls, kwargs)
 
 

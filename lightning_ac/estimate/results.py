@@ -108,7 +108,8 @@ class Estimate:
     Attributes:
         model: What was estimated (``llama3-8b``, a model type, a path).
         description: The model's shape in one line (parameters, layers, hidden size, vocabulary).
-        dtype: The weights' dtype.
+        dtype: The precision: the weights' dtype (``bfloat16``: every op in it), or a mixed precision as
+            ``bf16-mixed (float32 weights, autocast)``.
         training: ``lora r=16 (q_proj, v_proj)`` or ``full fine-tune``.
         optimizer: The optimizer's name (:data:`~lightning_ac.estimate.optimizers.OPTIMIZERS`, or a class and its
             arguments).

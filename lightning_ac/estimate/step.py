@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
+from lightning_ac.estimate.attention import stand_in_registered
 from lightning_ac.estimate.flops import flop_registry
 from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error
 from lightning_ac.estimate.modes import Mode
@@ -299,7 +300,7 @@ def fake_step(
         host_state=state_on_host if target == "cuda" else None,
     )
     measure = _Measure(tracker)
-    with fake_session(), _engines_tagged(tracker):
+    with fake_session(), _engines_tagged(tracker), stand_in_registered(config):
         model = build_model(config, dtype, training)
         fake = fake_mode()
         with fake:
