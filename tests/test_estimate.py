@@ -68,7 +68,7 @@ def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", ext
     benchmark's StepMetrics (lightning_ac.memory.measure_step); and the callbacks, module and optimizer after it."""
     torch.manual_seed(0)
     precision = as_precision(dtype)
-    dtype = precision.weights
+    dtype = precision.build_dtype(training.qlora)
     model = _qlora_model(config, dtype, training) if training.qlora else build_model(config, dtype, training, "cpu")
     callbacks = mode_callbacks(mode, config.num_hidden_layers)
     metrics = StepMetrics(measure_step=measured, warmup_steps=0)
@@ -141,6 +141,8 @@ CASES = [
     ("llama", {}, torch.bfloat16, QLORA, "adamw", 32, ["off", "full"]),
     pytest.param("llama", {}, torch.bfloat16, QLORA_AS_LOADED, "adamw", 32, ["full"], marks=SLOW),
     pytest.param("llama", {}, torch.bfloat16, QLORA_DOUBLE_FP4, "adamw", 32, ["off", "full"], marks=SLOW),
+    # the recipe under Lightning's bf16-mixed: a bf16 base (compute dtype bf16), the rest float32, the step autocast
+    ("llama", {}, BF16_MIXED, QLORA, "adamw", 32, ["full"]),
     # Axolotl's memory measurements' loss: logits_to_keep=1, logits.float().mean()
     ("llama", {}, torch.bfloat16, Training(None, loss="last_logit_mean"), "adamw", 32, ["off", "full"]),
     pytest.param("gpt2", {}, torch.bfloat16, FULL, "adamw", 32, ["every_2", "full+chunked_loss"], marks=SLOW),

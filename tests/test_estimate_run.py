@@ -80,13 +80,20 @@ def test_precision_as_lightning_names_it():
         assert abs(getattr(mixed_step, field) - 2 * getattr(true_step, field)) <= 2 * 512 * 30, field
 
 
+def test_qlora_under_mixed_precision_is_the_recipes_bf16_base():
+    mixed = estimate("llama", 32, overrides=TINY_LLAMA, modes=["off"], precision="bf16-mixed", qlora=True)
+    true = estimate("llama", 32, overrides=TINY_LLAMA, modes=["off"], precision="bf16-true", qlora=True)
+    assert mixed.dtype == "bf16-mixed (a bf16-loaded 4-bit base, autocast)"
+    # the same model (prepared: float32 but for the 4-bit layers); autocast changes what the step keeps
+    assert mixed.steps[0].parameter_bytes == true.steps[0].parameter_bytes
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
         ({"precision": "transformer-engine"}, "NVIDIA Transformer Engine"),
         ({"precision": "bf16-mixd"}, "--precision bf16-mixd: choose from 32-true, bf16-true"),
         ({"precision": "bf16-mixed", "dtype": "float32"}, "Give one of them"),
-        ({"precision": "bf16-mixed", "qlora": True}, "does not yet count a 4-bit base under autocast"),
     ],
 )
 def test_bad_precisions_are_refused(kwargs, words):

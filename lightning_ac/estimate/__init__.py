@@ -216,14 +216,6 @@ def estimate(
         chosen_precision = precision_for(precision)
     else:
         chosen_precision = as_precision(getattr(torch, dtype or "bfloat16"))
-    if qlora and chosen_precision.autocast is not None:
-        # the recipe loads the base in bf16 with a bf16 compute dtype and casts the rest to float32; under autocast
-        # that is neither the float32 model a mixed run builds nor what the estimate's 4-bit layers would compute in
-        raise EstimateError(
-            f"--qlora with --precision {chosen_precision.name}: the estimate does not yet count a 4-bit base under "
-            "autocast (the recipe's bf16 base and compute dtype, float32 rest). Estimate --precision bf16-true, whose "
-            "4-bit layers compute in bf16 as the recipe's do."
-        )
     devices = _device_bytes(device_memory)
     targets = tuple(lora_targets) if lora_targets else None
     rank = None if full_finetune else lora
@@ -249,10 +241,11 @@ def estimate(
     chosen = [] if others == [] else resolve_modes(others, training.full_finetune)  # [] when only budget's
     config = load_config(model, overrides or {}, attention)
     with fake_session(), stand_in_registered(config):  # quiet, leaving the caller's state as it was, as the steps do
-        shape = build_model(config, chosen_precision.weights, training)
+        shape = build_model(config, chosen_precision.build_dtype(training.qlora), training)
     shown = chosen_precision.dtype_name
     if chosen_precision.autocast is not None:
-        shown = f"{chosen_precision.name} (float32 weights, autocast)"
+        built = "a bf16-loaded 4-bit base" if training.qlora else "float32 weights"
+        shown = f"{chosen_precision.name} ({built}, autocast)"
     result = Estimate(
         model=model,
         description=describe(config, shape),

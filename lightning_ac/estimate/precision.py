@@ -6,7 +6,8 @@ activations autocast keeps are bf16 or fp16 where the op runs in it, and a train
 copy is cached for the forward. The fake step runs Lightning's own plugin on the CPU, so what it counts is what CPU
 autocast does (CUDA's autocast casts the same matmuls and linears; its float32 op list differs in a few pointwise
 ops). ``16-mixed`` is counted as ``bf16-mixed``: CPU autocast runs it the same way, in two-byte floats, and the
-gradient scaler holds a few scalars.
+gradient scaler holds a few scalars. A QLoRA model under autocast is built as the recipe loads it: a bf16 base
+whose 4-bit layers compute in bf16 (:meth:`Precision.build_dtype`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Precision:
     name: str
     weights: torch.dtype
     autocast: Optional[str] = None
+
+    def build_dtype(self, qlora: bool) -> torch.dtype:
+        """The dtype the model is built in: the weights', but for a QLoRA model under autocast bf16, as the recipe
+        loads it (``torch_dtype=bfloat16`` with a bf16 compute dtype; ``prepare_model_for_kbit_training`` then casts
+        what is not 4-bit to float32)."""
+        return torch.bfloat16 if qlora and self.autocast is not None else self.weights
 
     @property
     def dtype_name(self) -> str:

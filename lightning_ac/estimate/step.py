@@ -293,7 +293,7 @@ def fake_step(
     started = time.perf_counter()
     choice = optimizer_choice(optimizer, target)
     precision = as_precision(dtype)
-    dtype = precision.weights
+    dtype = precision.build_dtype(training.qlora)
     tracker = MemoryTracker(
         round_to=CUDA_BLOCK if target == "cuda" else 1,
         flop_registry=flop_registry(),
