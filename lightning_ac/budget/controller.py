@@ -92,14 +92,9 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
         head_chunks: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
     ) -> None:
         self.settings = settings
-        self.requested = settings.budget
-        self.first_plan = settings.first_plan
-        self.head_chunkable = settings.head_chunkable
         self.head_chunks = head_chunks
         self.budget_bytes: Optional[int] = settings.budget_bytes
         self.device = device
-        self.input_held = settings.input_held
-        self.rules_held = settings.rules_held
         self.noun = noun
         self.policy = policy
         self.layer_types = list(layer_types) if layer_types is not None else [None] * len(layers)
@@ -165,7 +160,7 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
     def wants_fake_step(self) -> bool:
         """Whether the next step should be preceded by the measuring step on fake tensors (``first_plan:
         estimate``, nothing measured or resumed yet, and not tried before)."""
-        return self.first_plan == "estimate" and self.figures is None and not self._estimate_tried
+        return self.settings.first_plan == "estimate" and self.figures is None and not self._estimate_tried
 
     def begin_step(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fake: bool = False) -> None:
         """At a training step's start (every micro-batch: each has its own forward and backward). ``fake``: the

@@ -11,6 +11,7 @@ from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures, estimate
 from lightning_ac.budget.measure import LayerReading
 from lightning_ac.budget.phase import MEASURE
+from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.units import format_bytes
 
 __all__ = ["FigureBook", "HEAD_FACTOR", "LINEAR_TOLERANCE", "SELECTIVE_GUESS", "scaled_figures"]
@@ -31,6 +32,7 @@ class FigureBook:
 
     figures: Optional[List[LayerFigures]]
     choices: List[Choice]
+    settings: BudgetSettings
 
     def before_backward(self) -> None:
         """At backward's start, in the measuring step: the peak since the last layer's forward is the output head's
@@ -73,7 +75,7 @@ class FigureBook:
             for i in range(len(readings))
         ]
         selective = self.policy is not None
-        figures = [r.figures(self.input_held, self.rules_held, selective) for r in agreed]
+        figures = [r.figures(self.settings.input_held, self.settings.rules_held, selective) for r in agreed]
         self.figures = figures
         if selective:
             self.selective_measured = [False] * len(figures)
@@ -165,7 +167,7 @@ class FigureBook:
             before = self.figures[index]
             # the save rules' cost: what their policy adds to the forward, and the partial recompute
             seconds = max(0.0, forward - before.recompute_seconds) + recompute
-            held = before.input_bytes + (int(kept) if self.rules_held else 0)
+            held = before.input_bytes + (int(kept) if self.settings.rules_held else 0)
             self.figures[index] = dataclasses.replace(before, selective_seconds=seconds, selective_bytes=held)
             self.selective_measured[index] = True
             if before.recompute_seconds > 0:

@@ -7,6 +7,7 @@ from typing import Any, Dict, List
 
 from lightning_ac._logging import rank_zero_warn
 from lightning_ac.budget.choice import Choice
+from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.loss.install import MIN_AUTO_CHUNK_TOKENS
 from lightning_ac.units import format_bytes
 
@@ -20,6 +21,7 @@ class BudgetReport:
     """The reporting part of :class:`~lightning_ac.budget.controller.BudgetController` (a mixin over its state)."""
 
     choices: List[Choice]
+    settings: BudgetSettings
 
     def _warn_over(self, peak: int, when: str) -> None:
         assert self.budget_bytes is not None
@@ -34,7 +36,7 @@ class BudgetReport:
         ways = []
         big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
         chunks = self.head_chunks() if self.head_chunks is not None else None
-        if self.head_chunkable and big_head:
+        if self.settings.head_chunkable and big_head:
             ways.append(
                 f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
                 " of it; the loss a chunk of tokens at a time holds a chunk's)"
@@ -45,7 +47,7 @@ class BudgetReport:
                 f"{chunks[0]} tokens, whose logits and gradient hold {format_bytes(self.head_bytes)} of the peak; "
                 f"chunk_tokens: auto takes at least {MIN_AUTO_CHUNK_TOKENS}, so give a number)"
             )
-        if self.device.type != "cpu" and self.input_held:  # on the CPU, host memory is the device's
+        if self.device.type != "cpu" and self.settings.input_held:  # on the CPU, host memory is the device's
             ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
         ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
         return ", or ".join(ways)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures
 from lightning_ac.budget.phase import CHECK
+from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.config import AUTO
 
 __all__ = ["SavedPlan"]
@@ -20,6 +21,7 @@ class SavedPlan:
 
     figures: Optional[List[LayerFigures]]
     choices: List[Choice]
+    settings: BudgetSettings
 
     def state_dict(self) -> Dict[str, Any]:
         """The settled plan and what it was chosen from, for a resumed run to start from."""
@@ -40,7 +42,7 @@ class SavedPlan:
         """Start from a saved plan, unless it was made for another number of layers or another budget (then measure
         again). The resumed run's first step is measured and checks the plan like any choice: what the saved figures
         cannot see (another precision, other save rules, another model of as many layers) corrects it there."""
-        requested = self.budget_bytes if self.requested != AUTO else state.get("budget_bytes")
+        requested = self.budget_bytes if self.settings.budget != AUTO else state.get("budget_bytes")
         if state.get("layers") != len(self.switches) or state.get("budget_bytes") != requested:
             rank_zero_info(
                 f"budget: the checkpoint's plan was made for {state.get('layers')} {self.noun} and a budget of "
