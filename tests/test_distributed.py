@@ -76,3 +76,48 @@ def test_budget_picks_one_plan_on_every_rank_under_ddp_and_fsdp2(tmp_path):
     logs = result.stdout + result.stderr
     assert len(re.findall(r"lightning_ac: budget [\d.]+ [KM]iB: keeping", logs)) == 3
     assert logs.count("budget: the first plan, from the training step on fake tensors") == 1
+
+
+def test_the_estimate_per_rank_is_what_a_real_rank_holds_under_fsdp2_and_ddp(tmp_path):
+    """``--strategy fsdp|ddp --devices 2``: the fake step of rank 0 on a fake process group holds what each rank of a
+    real 2-process gloo run holds (tests/scripts/rank_memory.py), to the byte.
+
+    FSDP2: the device total (the batch aside, which torch's FSDPMemTracker does not see) is FSDPMemTracker's peak;
+    the sharded parameters, gradients and optimizer state are the ranks' own. DDP: the gradients column is the
+    gradients plus DDP's buckets as its reducer holds them; measure_step's activation peak is the estimate's plus one
+    bucket: the buckets exist before the step, and measure_step counts a storage it first sees in the step (the
+    reducer writes each gradient into its bucket with an out= op) as made there, while the estimate knows them."""
+    import torch
+    from conftest import tiny_config
+
+    from lightning_ac.estimate.models import Training
+    from lightning_ac.estimate.modes import resolve_modes
+    from lightning_ac.estimate.ranks import Ranks
+    from lightning_ac.estimate.step import fake_step
+
+    _, rows = run_two_ranks("rank_memory.py", tmp_path)
+    config = tiny_config("llama")
+    batch_bytes = 2 * 64 * 8  # the per-rank batch's token ids
+    for strategy in ("fsdp", "ddp"):
+        real = {r["mode"]: r for r in rows if r["strategy"] == strategy and r["rank"] == 0}
+        other = {r["mode"]: r for r in rows if r["strategy"] == strategy and r["rank"] == 1}
+        assert real and real.keys() == other.keys()
+        for mode in resolve_modes(list(real), True):
+            fake = fake_step(config, torch.float32, Training(None, None), mode, 64, 2, "adamw", "cpu",
+                             ranks=Ranks(strategy, 2))  # fmt: skip
+            row = real[mode.name]
+            assert other[mode.name]["parameter_bytes"] == row["parameter_bytes"], "the ranks hold alike"
+            assert fake.parameter_bytes == row["parameter_bytes"], (strategy, mode.name)
+            assert fake.optimizer_bytes == row["optimizer_bytes"], (strategy, mode.name)
+            if strategy == "fsdp":
+                assert fake.gradient_bytes == row["gradient_bytes"], mode.name
+                assert fake.device_total_bytes - batch_bytes == row["peak_bytes"], mode.name
+                # what a rank gathers: more than a layer, less than the model
+                assert 0 < fake.streamed_weight_bytes < 2 * row["parameter_bytes"], mode.name
+            else:
+                assert fake.gradient_bytes == row["gradient_bytes"] + row["bucket_bytes"], mode.name
+                assert row["bucket_bytes"] == row["gradient_bytes"], "one more copy of the trainable gradients"
+                assert fake.activation_peak_bytes + row["bucket_bytes"] == row["activation_peak_bytes"], mode.name
+    sharded = next(r for r in rows if r["strategy"] == "fsdp")
+    whole = next(r for r in rows if r["strategy"] == "ddp")
+    assert sharded["parameter_bytes"] * 2 == whole["parameter_bytes"], "each FSDP2 rank holds half the weights"

@@ -331,8 +331,10 @@ def test_the_breakdown_adds_up():
 
 
 def _caller_state():
+    import torch.nn.parallel.distributed as ddp_module
     import transformers.masking_utils as masking_utils
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -355,6 +357,12 @@ def _caller_state():
         "loggers": [logging.getLogger(n).level for n in ("lightning.pytorch", "lightning_ac", "transformers")],
         "warning filters": list(warnings.filters),
         "attention registries": (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)),
+        "process group": torch.distributed.is_initialized(),
+        "resize_ patched": "resize_" in torch.UntypedStorage.__dict__,
+        "fsdp group": {
+            k: v for k, v in FSDPParamGroup.__dict__.items() if k in ("unshard", "wait_for_unshard", "post_backward")
+        },
+        "ddp checks": (ddp_module._verify_param_shape_across_processes, ddp_module._sync_module_states),
     }
 
 
@@ -365,8 +373,9 @@ def _assert_unchanged(before, after):
 
 def test_the_caller_state_is_left_as_it_was(tiny_dir):
     """RNG, default dtype and device, the patched transformers function, the storage pointer, fake-mode caches, the
-    engines' seams, log levels, warning filters and transformers' attention registries are the caller's again after
-    an estimate (one that raised too)."""
+    engines' seams, log levels, warning filters, transformers' attention registries, the process group and the FSDP2
+    and DDP functions a per-rank estimate counts through are the caller's again after an estimate (one that raised
+    too)."""
     torch.manual_seed(123)
     random.seed(5)
     before = _caller_state()
@@ -375,6 +384,9 @@ def test_the_caller_state_is_left_as_it_was(tiny_dir):
     result = estimate(tiny_dir, seq=16, batch=1, modes=modes, attention="flash_attention_2")
     _assert_unchanged(before, _caller_state())
     assert [s.mode for s in result.steps] == ["full", "offload_hidden", "layer_offload"]
+    for strategy in ("fsdp", "ddp"):
+        estimate(tiny_dir, seq=16, batch=1, modes=["full"], strategy=strategy, devices=2)
+        _assert_unchanged(before, _caller_state())
     moe = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **MOE}
     with pytest.raises(EstimateError, match="_grouped_mm"):  # raised inside the fake step
         estimate("qwen3_moe", seq=16, dtype="float32", overrides=moe, modes=["off"])
@@ -581,6 +593,15 @@ def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(
         (["--seq", "16", "--seq-step", "-1"], "--seq-step -1"),
         (["--seq", "16", "--qlora", "--full-finetune"], "--qlora with --full-finetune: QLoRA trains LoRA adapters"),
         (["--seq", "16", "--loss", "mean"], "--loss: invalid choice: 'mean'"),
+        (["--seq", "16", "--devices", "8"], "--devices 8 without --strategy: say how the 8 ranks share the work"),
+        (["--seq", "16", "--strategy", "fsdp"], "--strategy fsdp on 1 device: give --devices N, N >= 2"),
+        (["--seq", "16", "--strategy", "ddp", "--devices", "0"], "--devices 0: expected a whole number of ranks"),
+        (["--seq", "16", "--strategy", "fsdp", "--devices", "2", "--modes", "layer_offload"], "FSDP shards them"),
+        (["--seq", "16", "--strategy", "fsdp", "--devices", "2", "--qlora"], "--qlora with --strategy fsdp"),
+        (
+            ["--seq", "16", "--strategy", "ddp", "--devices", "2", "--modes", "budget", "--device-memory", "8GiB"],
+            "--modes budget with --strategy ddp: the budget's plan is made for one device here",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(monkeypatch, capsys, argv, message):
@@ -743,3 +764,29 @@ def test_a_small_models_description_counts_its_parameters(tiny_dir):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     result = estimate(tiny_dir, seq=16, batch=1, modes=["full"], lora=4, lora_targets=ALL_LINEARS)
     assert result.description.startswith(f"llama: {total / 1e3:.2f} K parameters ({trainable / 1e3:.1f} K trainable)")
+
+
+def test_a_rank_of_more_ranks_holds_less_and_the_table_says_per_rank(tiny_dir, capsys, monkeypatch):
+    """FSDP2's shards shrink with the ranks (weights, gradients, optimizer state; the gathered layers do not); DDP's
+    ranks each hold the whole model and one more copy of the gradients; the table names the figures per rank; a
+    process that is already a rank is refused, not replaced."""
+    steps = {}
+    for strategy, devices in (("single", 1), ("ddp", 2), ("fsdp", 2), ("fsdp", 4)):
+        result = estimate(tiny_dir, seq=32, modes=["full"], full_finetune=True, target="cpu", strategy=strategy,
+                          devices=devices)  # fmt: skip
+        steps[strategy, devices] = result.steps[0]
+    one, ddp, two, four = steps.values()
+    assert ddp.parameter_bytes == one.parameter_bytes and ddp.optimizer_bytes == one.optimizer_bytes
+    assert ddp.gradient_bytes == 2 * one.gradient_bytes, "DDP's buckets: one more copy of the gradients"
+    assert ddp.activation_peak_bytes == one.activation_peak_bytes
+    for field in ("parameter_bytes", "gradient_bytes"):
+        assert getattr(two, field) * 2 == getattr(one, field) == getattr(four, field) * 4, field
+    assert two.optimizer_bytes < one.optimizer_bytes and four.optimizer_bytes < two.optimizer_bytes
+    assert two.streamed_weight_bytes > 0 and one.streamed_weight_bytes == 0, "FSDP gathers; one device does not"
+    main(["--model", tiny_dir, "--seq", "32", "--modes", "full", "--strategy", "fsdp", "--devices", "4"])
+    out = capsys.readouterr().out
+    assert "per rank of 4 under FSDP2 (fully_shard on each decoder layer and the root)" in out.splitlines()[0]
+    assert "- FSDP2: weights, grads and optimizer are the rank's 1/N shards" in out
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(EstimateError, match="already a rank of a process group"):
+        estimate(tiny_dir, seq=32, modes=["full"], strategy="ddp", devices=2)

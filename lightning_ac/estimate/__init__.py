@@ -11,6 +11,8 @@ is made and freed. See :func:`estimate`; the modules, one job each:
     :mod:`~lightning_ac.estimate.tracker`: the O(1)-per-op memory tracker, by storage identity.
     :mod:`~lightning_ac.fake`: the fake session, and what it puts back for the caller.
     :mod:`~lightning_ac.estimate.step`: one fake training step of one mode.
+    :mod:`~lightning_ac.estimate.meter`: what the step reads while it runs (the tracker, the layers, the head).
+    :mod:`~lightning_ac.estimate.ranks`: one rank of N under DDP or FSDP2, on a fake process group.
     :mod:`~lightning_ac.estimate.fit`: fits or not (with a stated margin), and the longest length that fits.
     :mod:`~lightning_ac.estimate.budget`: the memory budget's plan for a device, from a fake measuring step.
     :mod:`~lightning_ac.estimate.results`: the typed results.
@@ -34,6 +36,7 @@ from lightning_ac.estimate.models import lora_targets as _targets_of
 from lightning_ac.estimate.modes import CHUNKED, known_modes, resolve_modes
 from lightning_ac.estimate.optimizers import OPTIMIZERS, OptimizerArgument, optimizer_choice
 from lightning_ac.estimate.precision import PRECISIONS, as_precision, precision_for
+from lightning_ac.estimate.ranks import STRATEGIES, Ranks, ranks_for
 from lightning_ac.estimate.results import Estimate, LongestFit, StepEstimate
 from lightning_ac.estimate.step import fake_step
 from lightning_ac.fake import fake_session
@@ -47,6 +50,8 @@ __all__ = [
     "LongestFit",
     "OPTIMIZERS",
     "PRECISIONS",
+    "Ranks",
+    "STRATEGIES",
     "StepEstimate",
     "estimate",
     "known_modes",
@@ -150,6 +155,8 @@ def estimate(
     qlora_as_loaded: bool = False,
     double_quant: bool = False,
     quant_type: str = "nf4",
+    strategy: Optional[str] = None,
+    devices: Optional[int] = None,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -197,6 +204,11 @@ def estimate(
             :mod:`~lightning_ac.estimate.precision`). Not with ``dtype``.
         first_step: The step starts without gradients or optimizer state (a run's first, or one after
             ``zero_grad(set_to_none=True)``): they are allocated in it, and counted in its device total.
+        strategy: How ``devices`` ranks train, in Lightning's words: ``ddp`` (each holds the whole model and DDP's
+            gradient buckets) or ``fsdp`` (FSDP2: each holds 1/N of the parameters, gradients and optimizer state,
+            and gathers a layer's parameters as it runs); every figure is then one rank's, at the per-rank ``batch``
+            (:mod:`~lightning_ac.estimate.ranks`). ``None``: one device.
+        devices: The number of ranks, with ``strategy``.
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -216,7 +228,7 @@ def estimate(
         chosen_precision = precision_for(precision)
     else:
         chosen_precision = as_precision(getattr(torch, dtype or "bfloat16"))
-    devices = _device_bytes(device_memory)
+    memories = _device_bytes(device_memory)
     targets = tuple(lora_targets) if lora_targets else None
     rank = None if full_finetune else lora
     if qlora_as_loaded and not qlora:
@@ -231,14 +243,26 @@ def estimate(
         double_quant=double_quant,
         quant_type=quant_type,
     )
+    ranks = ranks_for(strategy, devices)
+    if ranks.sharded and training.qlora:
+        raise EstimateError(
+            "--qlora with --strategy fsdp: sharding bitsandbytes' 4-bit weights with fully_shard is not counted yet. "
+            "Estimate QLoRA on one device, or per rank under --strategy ddp."
+        )
     budgets, others = _budget_modes(modes)
-    if not modes and devices:  # every mode: the budget's too, which has a device's memory to plan for
+    if not modes and memories and not ranks.distributed:  # every mode: the budget's too, which has a device to plan for
         budgets = [BUDGET]
-    if budgets and not devices:
+    if budgets and ranks.distributed:
+        raise EstimateError(
+            f"--modes {budgets[0]} with --strategy {ranks.strategy}: the budget's plan is made for one device here. "
+            "Leave it out of --modes; the other modes give each rank's figures."
+        )
+    if budgets and not memories:
         raise EstimateError(
             f"--modes {budgets[0]}: the budget's plan is made for a device's memory; give --device-memory SIZE"
         )
-    chosen = [] if others == [] else resolve_modes(others, training.full_finetune)  # [] when only budget's
+    # [] when only the budget's were named
+    chosen = [] if others == [] else resolve_modes(others, training.full_finetune, ranks.sharded)
     config = load_config(model, overrides or {}, attention)
     with fake_session(), stand_in_registered(config):  # quiet, leaving the caller's state as it was, as the steps do
         shape = build_model(config, chosen_precision.build_dtype(training.qlora), training)
@@ -253,15 +277,16 @@ def estimate(
         training=training.describe(None if training.full_finetune else _targets_of(config, training)),
         optimizer=optimizer_choice(optimizer, target).name,
         target=target,
-        device_memory_bytes=devices,
-        notes=list(NOTES) + ([MARGIN_NOTE] if devices else []),
+        device_memory_bytes=memories,
+        ranks=ranks.describe(),
+        notes=list(NOTES) + ([MARGIN_NOTE] if memories else []) + ranks.notes(),
     )
     del shape
 
     def run(mode: Any, length: int) -> StepEstimate:
-        step = fake_step(config, chosen_precision, training, mode, length, batch, optimizer, target)
-        if devices:
-            on = [fits(step, device) for device in devices]
+        step = fake_step(config, chosen_precision, training, mode, length, batch, optimizer, target, ranks=ranks)
+        if memories:
+            on = [fits(step, device) for device in memories]
             step = dataclasses.replace(step, fits=on[0], fits_on=on, margin_bytes=margin_bytes(step.device_total_bytes))
         if progress is not None:
             from lightning_ac.estimate.render import progress_line
@@ -275,13 +300,13 @@ def estimate(
     for name in budgets:
         for length in seqs:
             step, plans = budget_plans(
-                name, config, chosen_precision, training, length, batch, optimizer, target, devices
+                name, config, chosen_precision, training, length, batch, optimizer, target, memories
             )
             result.budget_plans += plans
             if progress is not None:
                 progress(f"estimate: {name} measuring step at {length} x {batch} tokens ({step.seconds:.1f} s)")
     searched: dict = {}  # (mode, length) -> step: the search on one size reuses the steps it made on another
-    for device in devices if longest else []:
+    for device in memories if longest else []:
         for mode in chosen:
             known = [s for s in result.steps if s.mode == mode.name]
             known += [s for (name, _), s in searched.items() if name == mode.name]

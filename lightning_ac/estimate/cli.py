@@ -14,6 +14,7 @@ from lightning_ac.estimate import (
     DTYPES,
     OPTIMIZERS,
     PRECISIONS,
+    STRATEGIES,
     Estimate,
     EstimateError,
     estimate,
@@ -126,6 +127,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="how --devices ranks train, in Lightning's words: ddp (each rank holds the whole model and DDP's "
+        "gradient buckets) or fsdp (FSDP2: each holds 1/N of the states and gathers a layer as it runs); the figures "
+        "are then one rank's, at the per-rank --batch (default: one device)",
+    )
+    p.add_argument("--devices", type=int, default=None, metavar="N", help="the number of ranks, with --strategy")
+    p.add_argument(
         "--modes",
         nargs="+",
         default=None,
@@ -169,6 +179,7 @@ def to_json(result: Estimate) -> dict:
         "training": result.training,
         "optimizer": result.optimizer,
         "target": result.target,
+        "ranks": result.ranks,
         "device_memory_bytes": result.device_memory_bytes,
         "steps": [{k: step.as_dict()[k] for k in JSON_FIELDS} for step in result.steps],
         "longest": [vars(fit) for fit in result.longest],
@@ -226,6 +237,8 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             quant_type=args.quant_type,
             loss=args.loss,
             first_step=args.first_step,
+            strategy=args.strategy,
+            devices=args.devices,
         )
     except EstimateError as err:
         p.error(str(err))

@@ -55,10 +55,11 @@ def known_modes() -> List[str]:
     return list(_table()) + ["budget", CHUNKED]
 
 
-def default_modes(full_finetune: bool) -> List[str]:
+def default_modes(full_finetune: bool, sharded: bool = False) -> List[str]:
     """The modes an estimate runs when none are named: every suite mode (layer offloading only where frozen weights
-    exist to stream)."""
-    return [m.name for m in _table().values() if not (full_finetune and m.layer_offload is not None)]
+    exist to stream, and whole: not under FSDP, which shards them)."""
+    streams = not (full_finetune or sharded)
+    return [m.name for m in _table().values() if streams or m.layer_offload is None]
 
 
 def _with_chunked(block: Any) -> Any:
@@ -69,13 +70,13 @@ def _with_chunked(block: Any) -> Any:
     return {**block, "chunked_loss": True}
 
 
-def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool) -> List[Mode]:
+def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool, sharded: bool = False) -> List[Mode]:
     """The modes ``names`` ask for: mode names, ``name+chunked_loss``, and ``chunked_loss`` alone, which adds each
-    other mode asked for (every mode, when it is alone) with the chunked loss too."""
+    other mode asked for (every mode, when it is alone) with the chunked loss too. ``sharded``: under FSDP."""
     table = _table()
-    names = list(names) if names else default_modes(full_finetune)
+    names = list(names) if names else default_modes(full_finetune, sharded)
     chunk_all = CHUNKED in names
-    names = [n for n in names if n != CHUNKED] or (default_modes(full_finetune) if chunk_all else [])
+    names = [n for n in names if n != CHUNKED] or (default_modes(full_finetune, sharded) if chunk_all else [])
     modes: List[Mode] = []
     for name in names:
         base, _, setting = name.partition("+")
@@ -87,6 +88,12 @@ def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool) -> List[M
         if full_finetune and mode.layer_offload is not None:
             raise EstimateError(
                 f"--modes {name}: layer offloading streams frozen weights, and a full fine-tune has none; use --lora R"
+            )
+        if sharded and mode.layer_offload is not None:
+            raise EstimateError(
+                f"--modes {name}: layer offloading moves whole frozen parameters to host memory, and FSDP shards them "
+                "(the suite refuses the pair; FSDP's own CPUOffloadPolicy offloads shards). Leave it out under "
+                "--strategy fsdp."
             )
         modes.append(mode if not setting else Mode(name, _with_chunked(mode.block), mode.layer_offload))
         if chunk_all and not setting:

@@ -40,7 +40,8 @@ def markdown(estimate: Estimate) -> str:
     unit, unit_name = (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
     lines = [
         f"{estimate.model}: {estimate.description}; {estimate.dtype}, {estimate.training}, optimizer "
-        f"{estimate.optimizer}; figures for {estimate.target} ({unit_name})",
+        f"{estimate.optimizer}; figures for {estimate.target}{f', {estimate.ranks}' if estimate.ranks else ''} "
+        f"({unit_name})",
         "",
         "| mode | seq x batch | weights | grads | optimizer | activation peak (at) | largest part | device total "
         f"| host | extra compute{''.join(f' | fits {gib(d, unit)}' for d in devices)} | fake step (s) |",

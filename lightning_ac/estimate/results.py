@@ -115,6 +115,8 @@ class Estimate:
             arguments).
         target: The device the figures are for (``cuda``: storages rounded to 512 bytes; ``cpu``: exact).
         device_memory_bytes: The device sizes fits are judged against (empty when none was given).
+        ranks: ``""`` for one device; else what every figure is: ``per rank of 8 under FSDP2 (...)``
+            (:mod:`~lightning_ac.estimate.ranks`).
         steps: One :class:`StepEstimate` per mode and length.
         longest: With device sizes: the longest sequence each mode fits on each.
         search_steps: The fake steps that search ran, at lengths not asked for.
@@ -130,6 +132,7 @@ class Estimate:
     optimizer: str
     target: str
     device_memory_bytes: List[int] = field(default_factory=list)
+    ranks: str = ""
     steps: List[StepEstimate] = field(default_factory=list)
     longest: List[LongestFit] = field(default_factory=list)
     search_steps: List[StepEstimate] = field(default_factory=list)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,11 +23,13 @@ from torch import nn
 
 from lightning_ac.estimate.attention import stand_in_registered
 from lightning_ac.estimate.flops import flop_registry
+from lightning_ac.estimate.meter import HostOfStreamer, StepMeter, engines_tagged
 from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error
 from lightning_ac.estimate.modes import Mode
 from lightning_ac.estimate.optimizers import OptimizerArgument, OptimizerChoice, optimizer_choice, state_on_host
 from lightning_ac.estimate.precision import Precision, as_precision
 from lightning_ac.estimate.qlora import pack_four_bit
+from lightning_ac.estimate.ranks import Ranks, counted, distribute, fake_world
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
 from lightning_ac.fake import fake_mode, fake_session, patched
@@ -58,13 +59,25 @@ class _StepModule(pl.LightningModule):
     (:class:`~lightning_ac.estimate.models.Training`), and the optimizer asked for."""
 
     def __init__(
-        self, model: nn.Module, optimizer: OptimizerChoice, loss: str = "causal_lm", first_step: bool = False
+        self,
+        model: nn.Module,
+        optimizer: OptimizerChoice,
+        loss: str = "causal_lm",
+        first_step: bool = False,
+        distribute: Optional[Callable[[nn.Module], nn.Module]] = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
         self.first_step = first_step
+        self.distribute = distribute
+
+    def configure_model(self) -> None:
+        """The strategy's wrapping (:func:`~lightning_ac.estimate.ranks.distribute`), where Lightning's
+        ``ModelParallelStrategy`` runs ``fully_shard``: after the suite's ``setup``."""
+        if self.distribute is not None:
+            self.model = self.distribute(self.model)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.loss == "last_logit_mean":
@@ -89,132 +102,6 @@ class _StepModule(pl.LightningModule):
         for optimizer in self.trainer.optimizers:
             if isinstance(optimizer, torch.optim.Optimizer):
                 optimizer.step()
-
-
-class _Measure(Callback):
-    """Runs the tracker over the training step (after the suite's callbacks began theirs, as the benchmark's
-    measurement does) and marks where the decoder layers and the output head run."""
-
-    def __init__(self, tracker: MemoryTracker) -> None:
-        self.tracker = tracker
-        self.layers: List[nn.Module] = []
-        self.inputs: List[Any] = []  # weak references: a storage kept here would never be freed
-        self.outputs: List[Any] = []
-        self.head_start: Dict[str, Any] = {}
-        self.head_bytes = 0
-        self.host: List[torch.Tensor] = []
-        self.start_live: List[int] = [0] * len(Kind)
-        self._handles: List[Any] = []
-        self._head_done = False
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        from lightning_ac.layers import find_decoder_layers
-
-        self.layers = find_decoder_layers(pl_module).modules
-        self.inputs = [None] * len(self.layers)
-        self.outputs = [None] * len(self.layers)
-        for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(layer.register_forward_hook(self._post_hook(index)))
-        tracker = self.tracker
-        tracker.track_external([pl_module], list(trainer.optimizers), host=tuple(self.host))
-        self.start_live = list(tracker.live)
-        tracker.watch_gradients([pl_module])
-        tracker.watch_optimizers()
-        tracker.__enter__()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.close()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if not self._handles:
-            return
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.tracker.remove_hooks()
-        self.tracker.__exit__(None, None, None)
-
-    def _pre_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.tracker.region = index
-            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if hidden is not None and self.inputs[index] is None:
-                self.inputs[index] = weakref.ref(hidden.untyped_storage())
-
-        return hook
-
-    def _post_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            hidden = output if isinstance(output, torch.Tensor) else output[0]
-            self.outputs[index] = weakref.ref(hidden.untyped_storage())
-            self.tracker.region = "outside"
-            if index == len(self.layers) - 1 and not self.head_start:
-                self._start_head(hidden)
-
-        return hook
-
-    def _start_head(self, hidden: torch.Tensor) -> None:
-        """The output head starts: what the forward keeps, by where it was made; and a hook that ends the head's
-        window when the gradient reaches the last layer's output."""
-        tracker = self.tracker
-        kept_inputs: Dict[int, int] = {}
-        made_in: Dict[Any, int] = {}
-        for ref in [*self.inputs, *self.outputs]:
-            storage = ref() if ref is not None else None
-            kept = tracker.kept(storage) if storage is not None else None
-            if kept is not None and id(storage) not in kept_inputs:
-                kept_inputs[id(storage)] = kept[0]
-                made_in[kept[1]] = made_in.get(kept[1], 0) + kept[0]
-        self.head_start = {
-            "inputs": sum(kept_inputs.values()),
-            "layers": [tracker.region_live.get(i, 0) - made_in.get(i, 0) for i in range(len(self.layers))],
-            "outside": tracker.region_live.get("outside", 0) - made_in.get("outside", 0),
-        }
-        # the layers' inputs and outputs are not held past here by this callback
-        self.inputs, self.outputs = [], []
-        tracker.region = "head"
-        tracker.head = True
-        tracker.start_window()
-        if hidden.requires_grad:
-            hidden.register_hook(self._end_head)
-
-    def _end_head(self, grad: torch.Tensor) -> None:
-        if not self._head_done:
-            self._head_done = True
-            self.tracker.head = False
-            self.tracker.region = "backward"
-            self.head_bytes = self.tracker.end_window()
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_head(None)  # type: ignore[arg-type]
-        self.tracker.in_optimizer = True
-
-
-@contextlib.contextmanager
-def _engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
-    """What the copy engines allocate as host memory (activation offloading's host buffers) and as streamed weights
-    (layer offloading's device copies of a layer) is counted as such."""
-    from lightning_ac.offload.engine import TransferEngine
-    from lightning_ac.offload.weights.residency import LayerResidency
-
-    host_buffer = TransferEngine.__dict__["_host_buffer"]
-    load = LayerResidency.__dict__["_load"]
-
-    def tagged_host_buffer(self: Any, nbytes: int) -> Any:
-        with tracker.tagging(Kind.HOST):
-            return host_buffer(self, nbytes)
-
-    def tagged_load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with tracker.tagging(Kind.WEIGHTS):
-            return load(self, *args, **kwargs)
-
-    with patched(TransferEngine, "_host_buffer", tagged_host_buffer):
-        with patched(LayerResidency, "_load", tagged_load):
-            yield
 
 
 def _features(mode: Mode) -> List[str]:
@@ -276,10 +163,12 @@ def fake_step(
     optimizer: OptimizerArgument = "adamw",
     target: str = "cuda",
     extra_callbacks: Sequence[Callback] = (),
+    ranks: Optional[Ranks] = None,
 ) -> StepEstimate:
     """One training step of ``mode`` at ``batch`` x ``seq`` tokens on fake tensors (see the module's docstring);
     ``extra_callbacks`` run beside the suite's (the budget's plan reads its controller there). ``dtype``: the weights'
-    dtype (its ``*-true`` precision), or a :class:`~lightning_ac.estimate.precision.Precision`.
+    dtype (its ``*-true`` precision), or a :class:`~lightning_ac.estimate.precision.Precision`. ``ranks``: the
+    step of rank 0 of N under DDP or FSDP2 (:mod:`~lightning_ac.estimate.ranks`), at the per-rank ``batch``.
 
     Raises:
         EstimateError: If an op has no fake implementation (naming the op and the mode), or the mode does not apply
@@ -291,6 +180,7 @@ def fake_step(
     # a release newer than the tested ones checks each feature on real tensors, before the fake step (once a process)
     release_gate.ensure(_features(mode))
     started = time.perf_counter()
+    ranks = ranks or Ranks()
     choice = optimizer_choice(optimizer, target)
     precision = as_precision(dtype)
     dtype = precision.build_dtype(training.qlora)
@@ -299,8 +189,13 @@ def fake_step(
         flop_registry=flop_registry(),
         host_state=state_on_host if target == "cuda" else None,
     )
-    measure = _Measure(tracker)
-    with fake_session(), _engines_tagged(tracker), stand_in_registered(config):
+    measure = StepMeter(tracker)
+    with contextlib.ExitStack() as session:
+        session.enter_context(fake_session())
+        session.enter_context(engines_tagged(tracker))
+        session.enter_context(stand_in_registered(config))
+        mesh = session.enter_context(fake_world(ranks))  # one rank of N: lightning_ac.estimate.ranks
+        session.enter_context(counted(ranks, tracker))
         model = build_model(config, dtype, training)
         fake = fake_mode()
         with fake:
@@ -311,9 +206,10 @@ def fake_step(
                 pack_four_bit(model, dtype, training.quant_type, training.double_quant)
             ids = torch.zeros(batch, seq, dtype=torch.long)
         callbacks = mode_callbacks(mode, config.num_hidden_layers)
-        module = _StepModule(model, choice, training.loss, training.first_step)
+        wrap = (lambda m: distribute(m, ranks, mesh, tracker)) if ranks.distributed else None
+        module = _StepModule(model, choice, training.loss, training.first_step, wrap)
         trainer = step_trainer(
-            [*callbacks, *extra_callbacks, _HostOfStreamer(measure), measure],
+            [*callbacks, *extra_callbacks, HostOfStreamer(measure), measure],
             1,
             _InPlace(device=torch.device("cpu")),
             precision=precision.autocast,
@@ -337,21 +233,6 @@ def fake_step(
     return _result(mode.name, seq, batch, tracker, measure, ids, seconds)
 
 
-class _HostOfStreamer(Callback):
-    """Hands layer offloading's host copies (made in ``setup``, before the step) to the measurement as host memory."""
-
-    def __init__(self, measure: _Measure) -> None:
-        self.measure = measure
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        from lightning_ac.callbacks import SuiteCallback
-
-        plans = [cb.plan for cb in trainer.callbacks if isinstance(cb, SuiteCallback) and cb.plan is not None]
-        streamer = plans[0].weight_streamer if plans else None
-        if streamer is not None:
-            self.measure.host = [h for layer in streamer.layers for h in (layer.buffer, *layer.host) if h is not None]
-
-
 class _OneBatch:
     """An iterable of one batch."""
 
@@ -366,7 +247,7 @@ class _OneBatch:
 
 
 def _result(
-    mode: str, seq: int, batch: int, tracker: MemoryTracker, measure: _Measure, ids: torch.Tensor, seconds: float
+    mode: str, seq: int, batch: int, tracker: MemoryTracker, measure: StepMeter, ids: torch.Tensor, seconds: float
 ) -> StepEstimate:
     start = measure.start_live
     head = measure.head_start or {"inputs": 0, "layers": [], "outside": 0}

@@ -36,7 +36,7 @@ class Kind(enum.IntEnum):
     GRADIENT = 2
     OPTIMIZER = 3
     ACTIVATION = 4  # activations and temporaries: what measure_step's activation peak sums
-    WEIGHTS = 5  # layer offloading's device copies of streamed weights
+    WEIGHTS = 5  # layer offloading's device copies of streamed weights; FSDP's gathered parameters
     HOST = 6  # host memory: offloaded activations, streamed weights between uses
 
 
@@ -61,14 +61,22 @@ class _Entry:
     ref: Any = None  # the weak reference whose callback uncounts the storage
 
 
+def local(tensor: Any) -> Any:
+    """The tensor whose storage holds ``tensor``'s bytes on this rank: a ``DTensor``'s local shard (FSDP2's sharded
+    parameters and gradients), else the tensor itself."""
+    inner = getattr(tensor, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor
+
+
 def _storages(output: Any) -> Iterator[torch.UntypedStorage]:
-    """The storages of the tensors in an op's output (a tensor, or a tuple or list of them)."""
+    """The storages of the tensors in an op's output (a tensor, or a tuple or list of them); a ``DTensor``'s is its
+    local shard's (the dispatch mode sees DTensor ops before DTensor unwraps them)."""
     if isinstance(output, torch.Tensor):
-        yield output.untyped_storage()
+        yield local(output).untyped_storage()
     elif isinstance(output, (tuple, list)):
         for item in output:
             if isinstance(item, torch.Tensor):
-                yield item.untyped_storage()
+                yield local(item).untyped_storage()
             elif isinstance(item, (tuple, list)):
                 yield from _storages(item)
 
@@ -98,6 +106,7 @@ class MemoryTracker(TorchDispatchMode):
         flops: FLOPs per :class:`Phase`.
         failed_op: The innermost op that raised last (an op fake tensors cannot run); :meth:`op_that_raised`
             tells whether it is what an exception came from.
+        active: Whether the tracker is counting now (entered).
         region: What the step's code is running now (the estimate sets it: a decoder layer's index, ``"outside"``,
             ``"head"``); each activation remembers the region it was made in.
     """
@@ -124,6 +133,7 @@ class MemoryTracker(TorchDispatchMode):
         self.region: Any = "outside"
         self.region_live: Dict[Any, int] = {}
         self.head = False  # inside the output head's window (set by the estimate)
+        self.active = False  # entered: counting ops' outputs
         self.in_optimizer = False  # the backward has ended (Lightning steps the optimizer then; its forward and
         # backward run inside optimizer.step(closure), so the optimizer's own hooks cannot tell)
         self._entries: Dict[int, _Entry] = {}  # id(storage) -> its entry, while the storage lives
@@ -134,6 +144,14 @@ class MemoryTracker(TorchDispatchMode):
         # what failed_op raised, as its type and message: the error itself would keep its frames' tensors alive
         # (after a library caught it, they would never be counted as freed)
         self._failed_error: Optional[Tuple[type, str]] = None
+
+    def __enter__(self) -> MemoryTracker:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def op_that_raised(self, err: BaseException) -> Any:
         """The op ``err`` came from (the innermost op that raised it, or an error it was raised from), or ``None``:
@@ -180,7 +198,7 @@ class MemoryTracker(TorchDispatchMode):
         if tensor is None or not isinstance(tensor, torch.Tensor):
             return
         try:
-            storage = tensor.untyped_storage()
+            storage = local(tensor).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
         entry = self._known(storage)
@@ -196,6 +214,26 @@ class MemoryTracker(TorchDispatchMode):
         self.live[kind] += entry.nbytes
         if kind == Kind.ACTIVATION:
             self.region_live[entry.region] = self.region_live.get(entry.region, 0) + entry.nbytes
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized in place (``UntypedStorage.resize_``: FSDP2 frees and refills its gathered
+        parameters so): its bytes are what it holds now; one not seen yet is counted as an op's output would be."""
+        entry = self._known(storage)
+        if entry is None:
+            if storage.nbytes():
+                self._add(storage, self._tag if self._tag is not None else Kind.ACTIVATION)
+                self._update_peaks(self.phase())
+            return
+        self._set_bytes(entry)
+        self._update_peaks(self.phase())
+
+    def _set_bytes(self, entry: _Entry) -> None:
+        storage = entry.ref()
+        nbytes = self._bytes(storage)
+        self.live[entry.kind] += nbytes - entry.nbytes
+        if entry.kind == Kind.ACTIVATION:
+            self.region_live[entry.region] += nbytes - entry.nbytes
+        entry.nbytes = nbytes
 
     def kept(self, storage: torch.UntypedStorage) -> Optional[Tuple[int, Any]]:
         """``(bytes, region)`` of ``storage`` if it is a counted activation, else ``None``."""
@@ -218,11 +256,11 @@ class MemoryTracker(TorchDispatchMode):
             self.label(tensor, Kind.HOST)
         for module in modules:
             for p in module.parameters():
-                if self._known(p.untyped_storage()) is None:
+                if self._known(local(p).untyped_storage()) is None:
                     self.label(p, Kind.PARAMETER)
                 self.label(p.grad, Kind.GRADIENT)
             for b in module.buffers():
-                if self._known(b.untyped_storage()) is None:
+                if self._known(local(b).untyped_storage()) is None:
                     self.label(b, Kind.BUFFER)
         for optimizer in optimizers:
             self._label_state(optimizer)
@@ -329,13 +367,7 @@ class MemoryTracker(TorchDispatchMode):
             if entry is None or entry.ref() is not storage:
                 self._add(storage, kind)
             elif entry.nbytes != self._bytes(storage):  # resized in place
-                self.live[entry.kind] -= entry.nbytes
-                if entry.kind == Kind.ACTIVATION:
-                    self.region_live[entry.region] -= entry.nbytes
-                entry.nbytes = self._bytes(storage)
-                self.live[entry.kind] += entry.nbytes
-                if entry.kind == Kind.ACTIVATION:
-                    self.region_live[entry.region] += entry.nbytes
+                self._set_bytes(entry)
         phase = self.phase()
         flops = self.flop_registry.get(func._overloadpacket)
         if flops is not None:
