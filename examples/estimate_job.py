@@ -3,8 +3,8 @@
 Every mode's memory for one training step of the configured model (``model.*``, ``lora.*``) at the configured batch
 (``data.batch_size`` x ``data.seq_len``), counted on fake tensors on the CPU by :func:`lightning_ac.estimate.estimate`
 (the table ``python -m lightning_ac.estimate`` prints), in the trainer's precision and with AdamW, as the job
-trains. The table goes to stdout and to
-``estimate.md`` in the run's output directory, the figures to ``estimate.json``; nothing trains.
+trains; per rank under the trainer's ``ddp`` or ``fsdp`` strategy on ``trainer.devices``. The table goes to stdout
+and to ``estimate.md`` in the run's output directory, the figures to ``estimate.json``; nothing trains.
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ _JOB_KEYS = {
     "--modes": "estimate_modes",
     "--device-memory": "estimate_device_memory",
     "--set": "model.config",
+    "--strategy": "trainer.strategy",
+    "--devices": "trainer.devices",
 }
+# Lightning's strategy names -> the estimator's (its fsdp is FSDP2's fully_shard, as ModelParallelStrategy runs it)
+_STRATEGIES = {"auto": None, "ddp": "ddp", "ddp_spawn": "ddp", "ddp_fork": "ddp", "fsdp": "fsdp"}
 
 
 def estimate_precision(cfg: DictConfig) -> Dict[str, Any]:
@@ -42,6 +46,29 @@ def estimate_precision(cfg: DictConfig) -> Dict[str, Any]:
     if cfg.estimate_dtype is not None:
         return {"dtype": str(cfg.estimate_dtype)}
     return {"precision": str(cfg.trainer.get("precision", "32-true"))}
+
+
+def estimate_ranks(cfg: DictConfig) -> Dict[str, Any]:
+    """The estimate's ``strategy`` and ``devices``: the configured trainer's (``trainer.devices: 8`` alone is DDP, as
+    Lightning picks it), so that a multi-device job is estimated per rank.
+
+    Raises:
+        ConfigError: For a strategy the estimate does not model, or devices that are not a number of ranks.
+    """
+    strategy = str(cfg.trainer.get("strategy", "auto"))
+    devices = cfg.trainer.get("devices", 1)
+    if strategy not in _STRATEGIES:
+        raise ConfigError(
+            f"estimate=true: trainer.strategy={strategy} is not estimated; the estimate counts one device, ddp or "
+            "fsdp (FSDP2). Set trainer.strategy to one of them for the estimate."
+        )
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigError(
+            f"estimate=true: trainer.devices={devices} is not a number of ranks the estimate can count per rank. "
+            "Give trainer.devices as a number (8)."
+        )
+    chosen = _STRATEGIES[strategy] or ("ddp" if devices > 1 else None)
+    return {"strategy": chosen, "devices": devices} if chosen else {}
 
 
 def job_message(message: str) -> str:
@@ -78,6 +105,7 @@ def run_estimate(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             int(cfg.data.seq_len),
             batch=int(cfg.data.batch_size),
             **estimate_precision(cfg),
+            **estimate_ranks(cfg),
             lora=int(cfg.lora.r) if lora else None,
             full_finetune=not lora,
             lora_targets=list(cfg.lora.target_modules) if lora else None,

@@ -579,6 +579,43 @@ def test_the_estimate_takes_the_trainers_precision_as_configured(tmp_path):
     assert mixed["steps"][0]["parameter_bytes"] > 1.8 * true.steps[0].parameter_bytes
 
 
+@pytest.mark.parametrize(
+    "trainer, ranks",
+    [
+        ({"devices": 1}, {}),
+        ({"devices": 1, "strategy": "auto"}, {}),
+        ({"devices": 8}, {"strategy": "ddp", "devices": 8}),  # Lightning picks DDP for several devices
+        ({"devices": 8, "strategy": "fsdp"}, {"strategy": "fsdp", "devices": 8}),
+        ({"devices": 4, "strategy": "ddp_spawn"}, {"strategy": "ddp", "devices": 4}),
+    ],
+)
+def test_a_multi_device_job_is_estimated_per_rank(trainer, ranks):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from estimate_job import estimate_ranks
+    from omegaconf import OmegaConf
+
+    assert estimate_ranks(OmegaConf.create({"trainer": trainer})) == ranks
+
+
+@pytest.mark.parametrize(
+    "trainer, words",
+    [
+        ({"devices": 8, "strategy": "deepspeed"}, "trainer.strategy=deepspeed is not estimated"),
+        ({"devices": "auto"}, "trainer.devices=auto is not a number of ranks"),
+        ({"devices": [0, 1]}, "Give trainer.devices as a number (8)"),
+    ],
+)
+def test_a_strategy_the_estimate_does_not_count_is_named(trainer, words):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from estimate_job import estimate_ranks
+    from omegaconf import OmegaConf
+
+    from lightning_ac import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        estimate_ranks(OmegaConf.create({"trainer": trainer}))
+
+
 def yaml_config(name: str) -> dict:
     from omegaconf import OmegaConf
 

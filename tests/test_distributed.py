@@ -82,42 +82,45 @@ def test_the_estimate_per_rank_is_what_a_real_rank_holds_under_fsdp2_and_ddp(tmp
     """``--strategy fsdp|ddp --devices 2``: the fake step of rank 0 on a fake process group holds what each rank of a
     real 2-process gloo run holds (tests/scripts/rank_memory.py), to the byte.
 
-    FSDP2: the device total (the batch aside, which torch's FSDPMemTracker does not see) is FSDPMemTracker's peak;
-    the sharded parameters, gradients and optimizer state are the ranks' own. DDP: the gradients column is the
-    gradients plus DDP's buckets as its reducer holds them; measure_step's activation peak is the estimate's plus one
-    bucket: the buckets exist before the step, and measure_step counts a storage it first sees in the step (the
-    reducer writes each gradient into its bucket with an out= op) as made there, while the estimate knows them."""
-    import torch
+    FSDP2 (float32, and bf16-mixed as Lightning's plugin runs it): the device total (the batch aside, which torch's
+    FSDPMemTracker does not see) is FSDPMemTracker's peak; the sharded parameters, gradients and optimizer state are
+    the ranks' own. DDP: the gradients column is the gradients plus DDP's buckets as its reducer holds them;
+    measure_step's activation peak is the estimate's plus one bucket: the buckets exist before the step, and
+    measure_step counts a storage it first sees in the step (the reducer writes each gradient into its bucket with an
+    out= op) as made there, while the estimate knows them."""
     from conftest import tiny_config
 
     from lightning_ac.estimate.models import Training
     from lightning_ac.estimate.modes import resolve_modes
+    from lightning_ac.estimate.precision import precision_for
     from lightning_ac.estimate.ranks import Ranks
     from lightning_ac.estimate.step import fake_step
 
     _, rows = run_two_ranks("rank_memory.py", tmp_path)
     config = tiny_config("llama")
     batch_bytes = 2 * 64 * 8  # the per-rank batch's token ids
-    for strategy in ("fsdp", "ddp"):
-        real = {r["mode"]: r for r in rows if r["strategy"] == strategy and r["rank"] == 0}
-        other = {r["mode"]: r for r in rows if r["strategy"] == strategy and r["rank"] == 1}
+    runs = sorted({(r["strategy"], r["precision"]) for r in rows})
+    assert runs == [("ddp", "32-true"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed")]
+    for strategy, precision in runs:
+        real = {r["mode"]: r for r in rows if (r["strategy"], r["precision"], r["rank"]) == (strategy, precision, 0)}
+        other = {r["mode"]: r for r in rows if (r["strategy"], r["precision"], r["rank"]) == (strategy, precision, 1)}
         assert real and real.keys() == other.keys()
         for mode in resolve_modes(list(real), True):
-            fake = fake_step(config, torch.float32, Training(None, None), mode, 64, 2, "adamw", "cpu",
+            fake = fake_step(config, precision_for(precision), Training(None, None), mode, 64, 2, "adamw", "cpu",
                              ranks=Ranks(strategy, 2))  # fmt: skip
-            row = real[mode.name]
+            row, case = real[mode.name], (strategy, precision, mode.name)
             assert other[mode.name]["parameter_bytes"] == row["parameter_bytes"], "the ranks hold alike"
-            assert fake.parameter_bytes == row["parameter_bytes"], (strategy, mode.name)
-            assert fake.optimizer_bytes == row["optimizer_bytes"], (strategy, mode.name)
+            assert fake.parameter_bytes == row["parameter_bytes"], case
+            assert fake.optimizer_bytes == row["optimizer_bytes"], case
             if strategy == "fsdp":
-                assert fake.gradient_bytes == row["gradient_bytes"], mode.name
-                assert fake.device_total_bytes - batch_bytes == row["peak_bytes"], mode.name
-                # what a rank gathers: more than a layer, less than the model
-                assert 0 < fake.streamed_weight_bytes < 2 * row["parameter_bytes"], mode.name
+                assert fake.gradient_bytes == row["gradient_bytes"], case
+                assert fake.device_total_bytes - batch_bytes == row["peak_bytes"], case
+                # what a rank gathers: more than nothing, less than the whole model
+                assert 0 < fake.streamed_weight_bytes < 2 * row["parameter_bytes"], case
             else:
-                assert fake.gradient_bytes == row["gradient_bytes"] + row["bucket_bytes"], mode.name
+                assert fake.gradient_bytes == row["gradient_bytes"] + row["bucket_bytes"], case
                 assert row["bucket_bytes"] == row["gradient_bytes"], "one more copy of the trainable gradients"
-                assert fake.activation_peak_bytes + row["bucket_bytes"] == row["activation_peak_bytes"], mode.name
+                assert fake.activation_peak_bytes + row["bucket_bytes"] == row["activation_peak_bytes"], case
     sharded = next(r for r in rows if r["strategy"] == "fsdp")
     whole = next(r for r in rows if r["strategy"] == "ddp")
     assert sharded["parameter_bytes"] * 2 == whole["parameter_bytes"], "each FSDP2 rank holds half the weights"

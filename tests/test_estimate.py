@@ -649,7 +649,7 @@ def test_every_mode_by_default_and_the_budgets_plan_where_a_device_is_given(monk
 
     ran, planned = [], []
 
-    def step(config, dtype, training, mode, seq, *args):
+    def step(config, dtype, training, mode, seq, *args, **kwargs):
         ran.append(mode.name)
         return _line(seq, 1)
 
@@ -665,6 +665,12 @@ def test_every_mode_by_default_and_the_budgets_plan_where_a_device_is_given(monk
     planned.clear()
     estimate("llama", seq=32, longest=False)
     assert ran == default_modes(False) and planned == []
+    ran.clear()
+    # per rank under FSDP2: no layer offloading (FSDP shards the weights it would stream), no budget's plan (made for
+    # one device)
+    estimate("llama", seq=32, device_memory="1GiB", longest=False, strategy="fsdp", devices=8)
+    assert ran == default_modes(False, sharded=True) and planned == []
+    assert ran == [m for m in default_modes(False) if not m.startswith("layer_offload")]
 
 
 def test_a_missing_rank_is_refused_not_taken_for_a_full_finetune(monkeypatch):

@@ -11,7 +11,8 @@ order the first step's gradients arrived: a new set of buckets, allocated once):
 - DDP: Lightning's DDPStrategy, the activation peak measured by the benchmark's StepMetrics (measure_step), and the
   gradient buckets as DDP's reducer holds them.
 
-Writes one JSON line per rank, strategy and mode to the path in argv[1].
+FSDP2 in float32 and in bf16-mixed (Lightning's plugin: autocast over the float32 shards). Writes one JSON line per
+rank, strategy, precision and mode to the path in argv[1].
 """
 
 import json
@@ -33,7 +34,12 @@ from lightning_ac.estimate.optimizers import optimizer_choice  # noqa: E402
 from lightning_ac.estimate.step import _StepModule, mode_callbacks  # noqa: E402
 
 SEQ, BATCH = 64, 2
-MODES = {"fsdp": ["off", "full", "selective_attn"], "ddp": ["full", "selective_attn"]}
+# (strategy, precision, modes)
+RUNS = [
+    ("fsdp", "32-true", ["off", "full", "selective_attn", "full+chunked_loss"]),
+    ("fsdp", "bf16-mixed", ["full"]),  # Lightning's plugin: autocast over float32 shards, gathered in float32
+    ("ddp", "32-true", ["full", "selective_attn"]),
+]
 
 
 def nbytes(tensors):
@@ -94,8 +100,8 @@ class Buckets(pl.Callback):
 
 config = tiny_config("llama")
 training = Training(None, None)  # a full fine-tune: every parameter sharded and trained
-for strategy in ("fsdp", "ddp"):
-    for mode in resolve_modes(MODES[strategy], True):
+for strategy, precision, modes in RUNS:
+    for mode in resolve_modes(modes, True):
         torch.manual_seed(0)
         model = build_model(config, torch.float32, training, "cpu")
         if strategy == "fsdp":
@@ -108,7 +114,8 @@ for strategy in ("fsdp", "ddp"):
             chosen, buckets = DDPStrategy(), Buckets()
             extra = [buckets]
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=chosen, max_steps=3, logger=False, use_distributed_sampler=False,
+            accelerator="cpu", devices=2, strategy=chosen, precision=precision, max_steps=3, logger=False,
+            use_distributed_sampler=False,
             callbacks=[*mode_callbacks(mode, config.num_hidden_layers), measure, *extra], enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
@@ -118,6 +125,7 @@ for strategy in ("fsdp", "ddp"):
         row = {
             "rank": trainer.global_rank,
             "strategy": strategy,
+            "precision": precision,
             "mode": mode.name,
             "parameter_bytes": nbytes(module.parameters()),
             "gradient_bytes": nbytes(p.grad for p in module.parameters()),
