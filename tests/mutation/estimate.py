@@ -11,6 +11,9 @@ FIT = "lightning_ac/estimate/fit.py"
 BUDGET = "lightning_ac/estimate/budget.py"
 TRACKER = "lightning_ac/estimate/tracker.py"
 MODES = "lightning_ac/estimate/modes.py"
+RANKS = "lightning_ac/estimate/ranks.py"
+RANK_UNITS = ("tests/test_estimate_ranks.py",)
+RANK_STEP = ("tests/test_distributed.py::test_the_estimate_per_rank_is_what_a_real_rank_holds_under_fsdp2_and_ddp",)
 STAIRCASES = (
     f"{EXACT}::test_the_longest_fit_on_a_staircase_is_what_a_full_scan_finds",
     f"{EXACT}::test_the_longest_fit_agrees_with_a_full_scan_on_many_staircases",
@@ -138,6 +141,60 @@ MUTANTS: List[Mutant] = [
         "multiples = sorted(seen)",
         "a length asked for that is not a multiple of the search's step is reported as the longest fit",
         (f"{EXACT}::test_a_known_length_off_the_step_is_not_taken_for_the_longest_fit",),
+    ),
+    # -- one rank of N ----------------------------------------------------------------------------------------
+    Mutant(
+        RANKS,
+        "            tracker.label(fsdp_param.sharded_param.grad, Kind.GRADIENT)",
+        "            pass",
+        "FSDP2's sharded gradients count as activations (the reduce-scatter's output is never taken for a gradient)",
+        RANK_UNITS,
+    ),
+    Mutant(
+        RANKS,
+        "        if tracker.active:\n            tracker.resized(storage)",
+        "        pass",
+        "a gathered layer FSDP2 frees (resizing its storage to 0) stays counted: every layer gathered at once",
+        RANK_UNITS,
+    ),
+    Mutant(
+        RANKS,
+        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
+        "        with tracker.tagging(Kind.WEIGHTS):",
+        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
+        "        with contextlib.nullcontext():",
+        "the all-gather's buffers count as activations, not gathered weights",
+        RANK_UNITS,
+    ),
+    Mutant(
+        RANKS,
+        "    def counted_wait_for_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
+        "        with tracker.tagging(Kind.WEIGHTS):",
+        "    def counted_wait_for_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
+        "        with contextlib.nullcontext():",
+        "the gathered parameters FSDP2 copies out of the all-gather count as activations, not gathered weights",
+        RANK_UNITS,
+    ),
+    Mutant(
+        RANKS,
+        "with tracker, tracker.tagging(Kind.GRADIENT):",
+        "with tracker:",
+        "DDP's gradient buckets count as activations made before the step (the grads column misses them)",
+        (*RANK_UNITS, "tests/test_estimate.py::test_a_rank_of_more_ranks_holds_less_and_the_table_says_per_rank"),
+    ),
+    Mutant(
+        TRACKER,
+        "        yield local(output).untyped_storage()",
+        "        yield output.untyped_storage()",
+        "a DTensor op's output is counted at its global size (FSDP2's optimizer step counts whole parameters)",
+        RANK_STEP,
+    ),
+    Mutant(
+        RANKS,
+        'if strategy != "single" and devices < 2:',
+        'if strategy != "single" and devices < 1:',
+        "--strategy fsdp on one device runs a world of one instead of asking for --devices",
+        ("tests/test_estimate.py::test_bad_arguments_are_refused_before_anything_runs",),
     ),
     # -- the mode table ---------------------------------------------------------------------------------------
     Mutant(
