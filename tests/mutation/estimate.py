@@ -161,8 +161,7 @@ MUTANTS: List[Mutant] = [
         RANKS,
         "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
         "        with tracker.tagging(Kind.WEIGHTS):",
-        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
-        "        with contextlib.nullcontext():",
+        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n        with contextlib.nullcontext():",
         "the all-gather's buffers count as activations, not gathered weights",
         RANK_UNITS,
     ),
