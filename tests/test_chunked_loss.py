@@ -156,9 +156,10 @@ def test_enabled_false_names_the_recompute_arguments_that_would_do_nothing(argum
     assert "Pass chunked_loss=True" not in message, "no advice that leads to a second error"
 
 
-def test_auto_chunk_tokens_keeps_a_chunk_of_logits_to_the_size_of_the_hidden_states():
+def test_auto_chunk_tokens_keeps_a_chunk_of_logits_to_the_size_of_the_hidden_states_and_bounded():
     assert auto_chunk_tokens(8192, 4096, 128256) == 512  # 261.6 tokens, rounded up to a power of two
-    assert auto_chunk_tokens(32768, 4096, 128256) == 2048
+    # the hidden states' worth at 32k would be 2048 tokens (1 GiB of float32 logits): bounded at 256 MiB, at any length
+    assert auto_chunk_tokens(32768, 4096, 128256) == auto_chunk_tokens(2**20, 4096, 128256) == 512
     assert auto_chunk_tokens(4096, 2048, 2048) == 4096
 
 

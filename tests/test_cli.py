@@ -72,6 +72,7 @@ def _corpus_digest(setup: str) -> str:
     return result.stdout.split("\n")[-2]
 
 
+@pytest.mark.slow  # three processes of their own; moved to keep the default run under 15 minutes
 def test_the_corpus_is_the_same_whatever_the_process_imported_or_replaced():
     """The loss reproduces across installs only if the text does: it is a function of the Python version alone, not
     of the submodules other libraries import (dir() of a package lists them) or the functions they replace."""
@@ -101,6 +102,7 @@ def test_progress_bar_is_lightnings(tmp_path):
     assert " s left" not in result.stdout
 
 
+@pytest.mark.slow  # two processes (one on a pseudo-terminal); progress lines off a terminal stay in the default run
 def test_progress_auto_is_the_bar_on_a_terminal_and_lines_elsewhere():
     """Where stdout (Lightning's bar's stream) is a terminal, auto is the bar; piped, it is lines."""
     # in processes of their own: importing the job sets its warning filters and puts examples/ on the path

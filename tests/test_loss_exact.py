@@ -133,6 +133,12 @@ def test_a_frozen_weight_beside_a_trained_bias_gets_no_gradient_and_the_bias_its
         (16384, 4096, 65536, 1024),  # exactly 1024
         (1000, 64, 1000, 128),  # 64 tokens' worth: the floor of 128
         (100, 64, 1000, 100),  # the floor, but no more than the tokens there are
+        # bounded: no more tokens than make 256 MiB of float32 logits, rounded down to a power of two
+        (8192, 4096, 128256, 512),  # Llama-3 at 8k: 262 tokens' worth -> 512, under the bound (523 tokens)
+        (65536, 4096, 128256, 512),  # at 64k the hidden states' worth is 4096 tokens (2 GiB of logits): bounded
+        (2**20, 4096, 131072, 512),  # the bound is exactly 512 tokens: kept
+        (2**20, 4096, 131073, 256),  # 511.99 tokens: rounded down
+        (2**20, 4096, 2**20, 128),  # a bound of 64 tokens: the floor of 128 wins
     ],
 )
 def test_auto_chunk_tokens_at_the_edges_of_its_rounding(tokens, hidden_size, vocab, chunk):

@@ -283,6 +283,7 @@ def test_host_memory_is_steady_step_over_step_with_a_bitsandbytes_base(tmp_path)
     assert_steady(measure)
 
 
+@pytest.mark.slow  # 24 steps; the bitsandbytes base's steady host memory over 9 steps stays in the default run
 def test_host_memory_is_steady_over_a_long_run(transfer):
     measure = HostBytesAtSteps(steps=(3, 12, 24))
     callbacks = [

@@ -87,10 +87,11 @@ class ChunkedLossConfig:
     Attributes:
         chunk_tokens: Tokens per chunk (``>= 1``), or ``"auto"``: per call, as many tokens as make a chunk's logits
             the size of the final hidden states (``tokens x hidden_size / vocab_size``, rounded up to a power of
-            two), and at least 128 (smaller chunks run matmuls too small to be fast), so that the head's working set
-            stays about the size of one layer's input. A chunk's working set is about ``chunk_tokens x vocabulary``
-            float32 logits and their gradient; fewer tokens hold less and run more, smaller matmuls, each reading
-            the head's whole weight.
+            two), at least 128 (smaller chunks run matmuls too small to be fast), and no more than make 256 MiB of
+            float32 logits (rounded down to a power of two: 512 tokens of a 128,256-word vocabulary), so that the
+            head's working set stays about the size of one layer's input, and stops growing with the sequence. A
+            chunk's working set is about ``chunk_tokens x vocabulary`` float32 logits and their gradient; fewer tokens
+            hold less and run more, smaller matmuls, each reading the head's whole weight.
     """
 
     chunk_tokens: Any = AUTO

@@ -30,7 +30,7 @@ from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.loss.function import chunked_causal_lm_loss
 from lightning_ac.loss.source import LogitOp, SourceError, apply_logit_ops, head_name, logit_ops
 
-__all__ = ["MIN_AUTO_CHUNK_TOKENS", "ChunkedLoss", "auto_chunk_tokens"]
+__all__ = ["MAX_AUTO_CHUNK_LOGIT_BYTES", "MIN_AUTO_CHUNK_TOKENS", "ChunkedLoss", "auto_chunk_tokens"]
 
 _MISSING = object()
 
@@ -40,17 +40,29 @@ _MISSING = object()
 # --preset cpu-vocab): 32-token chunks made full + chunked_loss 1.10x slower than full, 128-token chunks 0.79x
 # (faster: no whole logits to write), at 72.0 MiB of activations against 69.3 MiB with 32 and 773.0 MiB without.
 MIN_AUTO_CHUNK_TOKENS = 128
+# ... and never more tokens than make this many bytes of float32 logits: the hidden states' worth grows with the
+# sequence (2 GiB of logits a chunk for Llama-3-8B at 64k tokens, with their softmax and gradient beside them), where
+# a chunk of a fixed size is as fast. Measured on this CPU (2026-12-04; hidden 1,024, Llama-3's vocabulary of 128,256,
+# 8,192 tokens, bf16, the loss and its gradients, best of 3): 5.6 ms a token with 128-token chunks, 4.6 with 256, 4.0
+# with 512 (250.5 MiB of logits) and 1,024, 4.2 with 2,048 and 4.5 with 4,096: larger chunks are no faster.
+MAX_AUTO_CHUNK_LOGIT_BYTES = 256 * 2**20
 
 
 def auto_chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
     """``chunk_tokens: auto``: the tokens whose logits hold as many elements as the final hidden states of all
-    ``tokens`` (rounded up to a power of two), and at least :data:`MIN_AUTO_CHUNK_TOKENS`: the head's working set
-    is then about the size of one layer's input, whatever the vocabulary, and each chunk's matmuls stay large
-    enough to run at speed. Never more than ``tokens``."""
+    ``tokens`` (rounded up to a power of two), at least :data:`MIN_AUTO_CHUNK_TOKENS`, and no more than make
+    :data:`MAX_AUTO_CHUNK_LOGIT_BYTES` of float32 logits (rounded down to a power of two, and not below the floor):
+    the head's working set is then about the size of one layer's input at short lengths and bounded at any length,
+    whatever the vocabulary, and each chunk's matmuls stay large enough to run at speed. Never more than
+    ``tokens``."""
     if tokens <= 0:
         return 1
     wanted = max(1, -(-tokens * hidden_size // vocab_size))
-    return min(tokens, max(MIN_AUTO_CHUNK_TOKENS, 1 << (wanted - 1).bit_length()))
+    chunk = max(MIN_AUTO_CHUNK_TOKENS, 1 << (wanted - 1).bit_length())
+    bounded = MAX_AUTO_CHUNK_LOGIT_BYTES // (4 * vocab_size)
+    if bounded >= 1:
+        chunk = min(chunk, max(MIN_AUTO_CHUNK_TOKENS, 1 << (bounded.bit_length() - 1)))
+    return min(tokens, chunk)
 
 
 def _standard_loss() -> Any:

@@ -98,6 +98,27 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         INSTALL,
+        "chunk = min(chunk, max(MIN_AUTO_CHUNK_TOKENS, 1 << (bounded.bit_length() - 1)))",
+        "chunk = min(chunk, max(MIN_AUTO_CHUNK_TOKENS, 1 << bounded.bit_length()))",
+        "chunk_tokens: auto rounds its bound up: chunks past the fixed size of float32 logits",
+        (X + "test_auto_chunk_tokens_at_the_edges_of_its_rounding",),
+    ),
+    Mutant(
+        INSTALL,
+        "chunk = min(chunk, max(MIN_AUTO_CHUNK_TOKENS, 1 << (bounded.bit_length() - 1)))",
+        "chunk = min(chunk, 1 << (bounded.bit_length() - 1))",
+        "chunk_tokens: auto goes below its floor for a vast vocabulary (matmuls too small to run at speed)",
+        (X + "test_auto_chunk_tokens_at_the_edges_of_its_rounding",),
+    ),
+    Mutant(
+        INSTALL,
+        "bounded = MAX_AUTO_CHUNK_LOGIT_BYTES // (4 * vocab_size)",
+        "bounded = MAX_AUTO_CHUNK_LOGIT_BYTES // (2 * vocab_size)",
+        "chunk_tokens: auto bounds two-byte logits, but the loss upcasts them to float32: chunks twice the size",
+        (X + "test_auto_chunk_tokens_at_the_edges_of_its_rounding",),
+    ),
+    Mutant(
+        INSTALL,
         "tokens = auto_chunk_tokens(hidden.shape[:-1].numel(), hidden.shape[-1], vocab_size)",
         "tokens = auto_chunk_tokens(hidden.shape[:-1].numel(), vocab_size, hidden.shape[-1])",
         "chunk_tokens: auto sizes chunks from the vocabulary over the hidden size: whole logits for a real vocabulary",
