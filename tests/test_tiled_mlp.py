@@ -3,6 +3,8 @@ as the untiled MLP does, within float rounding (the CPU's matmuls block rows by 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -31,3 +33,56 @@ def test_the_tiled_mlp_trains_as_the_untiled_one(lora, tile):
     for p, w in zip(params, want_p):
         assert (p.grad is None) == (w is None) and (w is None or torch.allclose(p.grad, w, rtol=1e-5, atol=1e-6))
     assert sum(p.requires_grad for p in params) == (6 if lora else 3)
+
+
+# -- in a run ----------------------------------------------------------------------------------------------------
+
+
+def _assert_close_training(reference, run, rtol=1e-5, atol=1e-6):
+    """Losses and first-step gradients within float rounding (a tile's matmuls block rows by their count)."""
+    assert len(reference.losses) == len(run.losses)
+    for a, b in zip(reference.losses, run.losses):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (a, b)
+    assert reference.grads.keys() == run.grads.keys()
+    for name, grad in reference.grads.items():
+        assert torch.allclose(grad, run.grads[name], rtol=rtol, atol=atol), name
+
+
+@pytest.mark.parametrize(
+    "family, block",
+    [
+        ("llama", {"tiled_mlp": {"tile_tokens": 8}}),  # with full recompute
+        ("qwen3", {"tiled_mlp": {"tile_tokens": 8}, "selective": True}),
+        ("gemma3_text", {"tiled_mlp": True}),  # GELU; auto tiles (hidden 64: the floor of 256 tokens, one tile)
+        ("llama", {"enabled": False, "tiled_mlp": {"tile_tokens": 8}}),  # the tiled MLP alone
+        ("llama", {"tiled_mlp": {"tile_tokens": 8}, "chunked_loss": {"chunk_tokens": 16}}),
+    ],
+)
+def test_a_run_with_the_tiled_mlp_trains_as_without_it_and_leaves_the_model_as_found(family, block):
+    from conftest import fit, model_fingerprint
+
+    from lightning_ac import callbacks_from_config
+
+    base = tiny_model(family)
+    reference = fit(copy.deepcopy(base), max_steps=2)
+    model = copy.deepcopy(base)
+    before = model_fingerprint(model)
+    callbacks = callbacks_from_config(block)
+    run = fit(model, callbacks, max_steps=2)
+    _assert_close_training(reference, run)
+    tiled = next(cb for cb in callbacks if type(cb).__name__ == "ActivationCheckpointing")
+    assert model_fingerprint(model) == before, "nothing of the tiled MLP is left on the model"
+    assert tiled is not None
+
+
+def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
+    from lightning_ac import ActivationCheckpointing, ConfigError
+    from lightning_ac.tiled_mlp.install import TiledMLP
+
+    moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+    with pytest.raises(ConfigError, match=r"tiled_mlp: layer 0's mlp is a sparse mixture of experts"):
+        TiledMLP("auto", moe.model.layers)
+    with pytest.raises(ConfigError, match=r"tiled_mlp=\.\.\.\)\.tile_tokens: expected an integer >= 1, got 0"):
+        ActivationCheckpointing(tiled_mlp={"tile_tokens": 0})
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) 'tiles'"):
+        ActivationCheckpointing(tiled_mlp={"tiles": 8})

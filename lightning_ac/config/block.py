@@ -32,14 +32,23 @@ from lightning_ac.config.schema import (
     OFFLOAD_TARGETS,
     SELECTIVE_FIELDS,
     SET_BY_US,
+    TILED_MLP_FIELDS,
     ActivationCheckpointingConfig,
     ChunkedLossConfig,
     ConfigError,
     OffloadConfig,
     SelectiveConfig,
+    TiledMLPConfig,
 )
 
-__all__ = ["check_block_key", "config_to_dict", "mark_validated", "parse_chunked_loss", "parse_config"]
+__all__ = [
+    "check_block_key",
+    "config_to_dict",
+    "mark_validated",
+    "parse_chunked_loss",
+    "parse_config",
+    "parse_tiled_mlp",
+]
 
 
 # Set on configs that parse_config returned, so that passing one on (the Hydra job hands its parsed block to
@@ -111,6 +120,26 @@ def parse_chunked_loss(value: Any, name: str = "activation_checkpointing.chunked
         fix="It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default).",
     )
     return ChunkedLossConfig(chunk_tokens=tokens)
+
+
+def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp") -> Optional[TiledMLPConfig]:
+    """The ``tiled_mlp`` field: ``false``/``None`` (off), ``true`` (``tile_tokens: auto``) or a mapping
+    ``{tile_tokens: N}``."""
+    example = "Write tiled_mlp: true (tile_tokens: auto), or tiled_mlp: {tile_tokens: 4096}."
+    value = parse_switch_or_mapping(value, name, TiledMLPConfig, example)
+    if not isinstance(value, Mapping):
+        return value
+    reject_unknown(value, TILED_MLP_FIELDS, name)
+    tokens = value.get("tile_tokens", AUTO)
+    if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
+        return TiledMLPConfig()
+    parse_count(
+        tokens,
+        f"{name}.tile_tokens",
+        minimum=1,
+        fix="It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default).",
+    )
+    return TiledMLPConfig(tile_tokens=tokens)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:
@@ -232,6 +261,7 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         offload=_parse_offload(value.get("offload")),
         budget=parse_budget(value.get("budget"), "activation_checkpointing.budget"),
         chunked_loss=parse_chunked_loss(value.get("chunked_loss")),
+        tiled_mlp=parse_tiled_mlp(value.get("tiled_mlp")),
         budget_first_plan=parse_first_plan(
             value.get("budget_first_plan"), f"activation_checkpointing.{FIRST_PLAN_FIELD}"
         ),
