@@ -122,6 +122,8 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
+    # the tiled MLP (auto: one tile of the 64 tokens here, its intermediates recomputed in backward, never saved)
+    ("llama", {}, torch.float32, LORA, "adamw", 32, ["full+tiled_mlp", "offload_hidden+chunked_loss+tiled_mlp"]),
     # the optimizers users build: fused AdamW (no parameter-sized temporary), bitsandbytes' 8-bit AdamW (its state
     # from its own init_state), SGD with momentum
     ("llama", {}, torch.float32, FULL, "adamw_fused", 32, ["full"]),

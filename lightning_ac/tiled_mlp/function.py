@@ -34,7 +34,8 @@ class _TiledMLP(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, mlp: Callable[[torch.Tensor], torch.Tensor], tile_tokens: int, x: torch.Tensor, *params: torch.Tensor
     ) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        # detached: the tiles are plain tensors to whatever watches the MLP's calls (a module tracker's hooks)
+        flat = x.detach().reshape(-1, x.shape[-1])
         ctx.mlp, ctx.params = mlp, params  # parameters are leaves: held, not saved activations
         ctx.tiles = _tiles(flat.shape[0], tile_tokens)
         ctx.autocast = _autocast_state(x.device.type)
