@@ -3,7 +3,7 @@
 Every mode's memory for one training step of the configured model (``model.*``, ``lora.*``) at the configured batch
 (``data.batch_size`` x ``data.seq_len``), counted on fake tensors on the CPU by :func:`lightning_ac.estimate.estimate`
 (the table ``python -m lightning_ac.estimate`` prints), in the trainer's precision and with AdamW, as the job
-trains; per rank under the trainer's ``ddp`` or ``fsdp`` strategy on ``trainer.devices``. The table goes to stdout
+trains; per rank under DDP on ``trainer.devices`` x ``trainer.num_nodes``. The table goes to stdout
 and to ``estimate.md`` in the run's output directory, the figures to ``estimate.json``; nothing trains.
 """
 
@@ -36,8 +36,8 @@ _JOB_KEYS = {
     "--strategy": "trainer.strategy",
     "--devices": "trainer.devices",
 }
-# Lightning's strategy names -> the estimator's (its fsdp is FSDP2's fully_shard, as ModelParallelStrategy runs it)
-_STRATEGIES = {"auto": None, "ddp": "ddp", "ddp_spawn": "ddp", "ddp_fork": "ddp", "fsdp": "fsdp"}
+# Lightning's strategy names -> the estimator's (every DDP flavour holds the same memory a rank)
+_DDP = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true")
 
 
 def estimate_precision(cfg: DictConfig) -> Dict[str, Any]:
@@ -49,26 +49,36 @@ def estimate_precision(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def estimate_ranks(cfg: DictConfig) -> Dict[str, Any]:
-    """The estimate's ``strategy`` and ``devices``: the configured trainer's (``trainer.devices: 8`` alone is DDP, as
-    Lightning picks it), so that a multi-device job is estimated per rank.
+    """The estimate's ``strategy`` and ``devices``: the configured trainer's ranks (``trainer.devices`` times
+    ``trainer.num_nodes``; several devices with ``strategy: auto`` are DDP, as Lightning picks it), so that a
+    multi-device job is estimated per rank.
 
     Raises:
-        ConfigError: For a strategy the estimate does not model, or devices that are not a number of ranks.
+        ConfigError: For a strategy the estimate does not model (``fsdp`` is Lightning's FSDP1, which this job runs
+            without a wrap policy), or devices that are not a number of ranks.
     """
     strategy = str(cfg.trainer.get("strategy", "auto"))
-    devices = cfg.trainer.get("devices", 1)
-    if strategy not in _STRATEGIES:
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    if strategy == "fsdp":
         raise ConfigError(
-            f"estimate=true: trainer.strategy={strategy} is not estimated; the estimate counts one device, ddp or "
-            "fsdp (FSDP2). Set trainer.strategy to one of them for the estimate."
+            "estimate=true: trainer.strategy=fsdp is Lightning's FSDPStrategy (FSDP1), which this job runs without a "
+            "wrap policy (the whole model gathered at once); the estimate counts FSDP2's fully_shard on each decoder "
+            "layer. Estimate it with python -m lightning_ac.estimate --strategy fsdp --devices N, or set "
+            "trainer.strategy=ddp for the estimate."
         )
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    if strategy != "auto" and strategy not in _DDP:
         raise ConfigError(
-            f"estimate=true: trainer.devices={devices} is not a number of ranks the estimate can count per rank. "
-            "Give trainer.devices as a number (8)."
+            f"estimate=true: trainer.strategy={strategy} is not estimated; the estimate counts one device or DDP "
+            "(ddp and its variants). Set trainer.strategy=ddp or auto for the estimate."
         )
-    chosen = _STRATEGIES[strategy] or ("ddp" if devices > 1 else None)
-    return {"strategy": chosen, "devices": devices} if chosen else {}
+    for key, value in (("trainer.devices", devices), ("trainer.num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"estimate=true: {key}={value} is not a number the estimate can count ranks by. Give {key} as a "
+                "number (8)."
+            )
+    ranks = devices * nodes
+    return {"strategy": "ddp", "devices": ranks} if ranks > 1 else {}
 
 
 def job_message(message: str) -> str:

@@ -586,9 +586,13 @@ def test_the_estimate_takes_the_trainers_precision_as_configured(tmp_path):
     [
         ({"devices": 1}, {}),
         ({"devices": 1, "strategy": "auto"}, {}),
+        ({"devices": 1, "strategy": "ddp"}, {}),  # a world of one: one device
         ({"devices": 8}, {"strategy": "ddp", "devices": 8}),  # Lightning picks DDP for several devices
-        ({"devices": 8, "strategy": "fsdp"}, {"strategy": "fsdp", "devices": 8}),
         ({"devices": 4, "strategy": "ddp_spawn"}, {"strategy": "ddp", "devices": 4}),
+        (
+            {"devices": 8, "num_nodes": 2, "strategy": "ddp_find_unused_parameters_true"},
+            {"strategy": "ddp", "devices": 16},
+        ),
     ],
 )
 def test_a_multi_device_job_is_estimated_per_rank(trainer, ranks):
@@ -603,8 +607,10 @@ def test_a_multi_device_job_is_estimated_per_rank(trainer, ranks):
     "trainer, words",
     [
         ({"devices": 8, "strategy": "deepspeed"}, "trainer.strategy=deepspeed is not estimated"),
-        ({"devices": "auto"}, "trainer.devices=auto is not a number of ranks"),
+        ({"devices": 8, "strategy": "fsdp"}, "trainer.strategy=fsdp is Lightning's FSDPStrategy (FSDP1)"),
+        ({"devices": "auto"}, "trainer.devices=auto is not a number"),
         ({"devices": [0, 1]}, "Give trainer.devices as a number (8)"),
+        ({"devices": 2, "num_nodes": 0}, "trainer.num_nodes=0 is not a number"),
     ],
 )
 def test_a_strategy_the_estimate_does_not_count_is_named(trainer, words):

@@ -386,13 +386,16 @@ def test_the_caller_state_is_left_as_it_was(tiny_dir):
     result = estimate(tiny_dir, seq=16, batch=1, modes=modes, attention="flash_attention_2")
     _assert_unchanged(before, _caller_state())
     assert [s.mode for s in result.steps] == ["full", "offload_hidden", "layer_offload"]
-    for strategy in ("fsdp", "ddp"):
-        estimate(tiny_dir, seq=16, batch=1, modes=["full"], strategy=strategy, devices=2)
-        _assert_unchanged(before, _caller_state())
     moe = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **MOE}
     with pytest.raises(EstimateError, match="_grouped_mm"):  # raised inside the fake step
         estimate("qwen3_moe", seq=16, dtype="float32", overrides=moe, modes=["off"])
     _assert_unchanged(before, _caller_state())
+    for strategy in ("fsdp", "ddp"):  # one rank's step, and one that raises inside the fake world
+        estimate(tiny_dir, seq=16, batch=1, modes=["full"], strategy=strategy, devices=2)
+        _assert_unchanged(before, _caller_state())
+        with pytest.raises(EstimateError, match="_grouped_mm"):
+            estimate("qwen3_moe", seq=16, dtype="float32", overrides=moe, modes=["off"], strategy=strategy, devices=2)
+        _assert_unchanged(before, _caller_state())
 
 
 def test_an_op_without_a_fake_implementation_names_the_op_and_the_mode(monkeypatch):
@@ -595,8 +598,8 @@ def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(
         (["--seq", "16", "--seq-step", "-1"], "--seq-step -1"),
         (["--seq", "16", "--qlora", "--full-finetune"], "--qlora with --full-finetune: QLoRA trains LoRA adapters"),
         (["--seq", "16", "--loss", "mean"], "--loss: invalid choice: 'mean'"),
-        (["--seq", "16", "--devices", "8"], "--devices 8 without --strategy: say how the 8 ranks share the work"),
-        (["--seq", "16", "--strategy", "fsdp"], "--strategy fsdp on 1 device: give --devices N, N >= 2"),
+        (["--seq", "16", "--devices", "8"], "--devices 8 on one device (no --strategy): say how the 8 ranks share"),
+        (["--seq", "16", "--strategy", "fsdp"], "--strategy fsdp on 1 device: a world of one rank is one device"),
         (["--seq", "16", "--strategy", "ddp", "--devices", "0"], "--devices 0: expected a whole number of ranks"),
         (["--seq", "16", "--strategy", "fsdp", "--devices", "2", "--modes", "layer_offload"], "FSDP shards them"),
         (["--seq", "16", "--strategy", "fsdp", "--devices", "2", "--qlora"], "--qlora with --strategy fsdp"),

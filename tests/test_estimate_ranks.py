@@ -26,7 +26,7 @@ def test_fsdp2s_gathered_layers_come_and_go_and_its_sharded_gradients_stay(devic
     """Under the tracker, a forward and backward of a sharded model: the gathered parameters (FSDP2 resizes their
     storages in place) count as streamed weights while a layer runs and none are left after the backward; the
     sharded gradients the reduce-scatter leaves are gradients, each rank's 1/N; the shards are 1/N of the weights."""
-    config = tiny_config("llama")
+    config = tiny_config("llama", num_hidden_layers=8)  # enough layers that every one gathered at once shows
     ranks = Ranks("fsdp", devices)
     tracker = MemoryTracker()
     with fake_session(), fake_world(ranks) as mesh, counted(ranks, tracker):
@@ -45,8 +45,11 @@ def test_fsdp2s_gathered_layers_come_and_go_and_its_sharded_gradients_stay(devic
             assert all(type(g).__name__ == "DTensor" for g in sharded)
             assert tracker.live[Kind.GRADIENT] == _storage_bytes(sharded) == whole // devices
             assert tracker.live[Kind.WEIGHTS] == 0, "every gathered layer is freed again after the backward"
-            # the root's parameters and a layer's are gathered at once, with its all-gather buffer
-            assert whole // devices < tracker.weights_peak < 2 * whole
+            # the root's parameters (embeddings, head, norm) gathered with their all-gather buffer, beside the first
+            # layer's gathered ahead: never every layer at once
+            layer = _storage_bytes(model.model.layers[0].parameters()) * devices
+            root = whole - layer * len(model.model.layers)
+            assert root + layer < tracker.weights_peak <= 2 * (root + 2 * layer) < whole
             assert tracker.live[Kind.ACTIVATION] < whole // 8, "nothing of the step is left but the loss"
     assert not torch.distributed.is_initialized()
 
@@ -65,3 +68,46 @@ def test_ddps_buckets_are_counted_with_the_gradients_when_it_wraps_the_model():
     assert tracker.live[Kind.ACTIVATION] == 0
     del wrapped
     assert tracker.live[Kind.GRADIENT] == 0, "freed with DDP"
+
+
+@pytest.mark.parametrize(
+    "strategy, case",
+    [
+        ("fsdp", "lora"),  # frozen and trainable parameters sharded together
+        ("fsdp", "tied"),  # the embeddings and the head one parameter
+        ("fsdp", "first_step"),
+        ("ddp", "first_step"),
+        ("fsdp", "bf16"),
+        ("ddp", "qlora"),
+    ],
+)
+def test_one_rank_of_the_runs_users_run(strategy, case):
+    """Each combination estimates per rank: under FSDP2 the shards are half one device's (padding aside), and the
+    rank gathers; under DDP the rank holds one device's weights and, with the gradients, their buckets."""
+    from lightning_ac.estimate import estimate
+
+    overrides = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": case == "tied"}  # fmt: skip
+    kwargs = dict(
+        seq=32,
+        modes=["full"],
+        target="cpu",
+        overrides=overrides,
+        dtype="bfloat16" if case in ("bf16", "qlora") else "float32",
+        full_finetune=case not in ("lora", "qlora"),
+        lora=4,
+        qlora=case == "qlora",
+        first_step=case == "first_step",
+    )
+    one = estimate("llama", **kwargs).steps[0]
+    rank = estimate("llama", strategy=strategy, devices=2, **kwargs).steps[0]
+    if strategy == "fsdp":
+        assert one.parameter_bytes / 2 <= rank.parameter_bytes < one.parameter_bytes * 0.51
+        assert rank.streamed_weight_bytes > 0
+    else:
+        assert rank.parameter_bytes == one.parameter_bytes
+        if case == "first_step":  # no gradient before a first step, but DDP's buckets, made when it wrapped the model
+            assert one.gradient_bytes == 0 < rank.gradient_bytes
+        else:
+            assert rank.gradient_bytes == 2 * one.gradient_bytes
+    assert rank.device_total_bytes > 0

@@ -203,10 +203,12 @@ def estimate(
             weights, gradients and optimizer state, the step under autocast; ``bf16-true``...;
             :mod:`~lightning_ac.estimate.precision`). Not with ``dtype``.
         first_step: The step starts without gradients or optimizer state (a run's first, or one after
-            ``zero_grad(set_to_none=True)``): they are allocated in it, and counted in its device total.
-        strategy: How ``devices`` ranks train, in Lightning's words: ``ddp`` (each holds the whole model and DDP's
-            gradient buckets) or ``fsdp`` (FSDP2: each holds 1/N of the parameters, gradients and optimizer state,
-            and gathers a layer's parameters as it runs); every figure is then one rank's, at the per-rank ``batch``
+            ``zero_grad(set_to_none=True)``): they are allocated in it, and counted in its device total (DDP's
+            gradient buckets exist before it: DDP allocates them when it wraps the model).
+        strategy: How ``devices`` ranks train: ``ddp`` (each holds the whole model and DDP's gradient buckets) or
+            ``fsdp`` (FSDP2's ``fully_shard`` on each decoder layer and the root, as under Lightning's
+            ``ModelParallelStrategy``: each holds 1/N of the parameters, gradients and optimizer state, and gathers
+            a layer's parameters as it runs); every figure is then one rank's, at the per-rank ``batch``
             (:mod:`~lightning_ac.estimate.ranks`). ``None``: one device.
         devices: The number of ranks, with ``strategy``.
 

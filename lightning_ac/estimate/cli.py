@@ -128,11 +128,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument(
         "--strategy",
-        choices=STRATEGIES,
+        choices=[s for s in STRATEGIES if s != "single"],
         default=None,
-        help="how --devices ranks train, in Lightning's words: ddp (each rank holds the whole model and DDP's "
-        "gradient buckets) or fsdp (FSDP2: each holds 1/N of the states and gathers a layer as it runs); the figures "
-        "are then one rank's, at the per-rank --batch (default: one device)",
+        help="how --devices ranks train: ddp (each rank holds the whole model and DDP's gradient buckets) or fsdp "
+        "(FSDP2's fully_shard on each decoder layer and the root, as under Lightning's ModelParallelStrategy: each "
+        "rank holds 1/N of the states and gathers a layer as it runs); the figures are then one rank's, at the "
+        "per-rank --batch (default: one device)",
     )
     p.add_argument("--devices", type=int, default=None, metavar="N", help="the number of ranks, with --strategy")
     p.add_argument(

@@ -41,8 +41,10 @@ class Ranks:
     """The data-parallel strategy a run trains under, in Lightning's words, and its number of ranks.
 
     Attributes:
-        strategy: ``single`` (one device), ``ddp``, or ``fsdp`` (FSDP2: ``fully_shard`` on each decoder layer and the
-            root).
+        strategy: ``single`` (one device, the default), ``ddp``, or ``fsdp``: FSDP2's ``fully_shard`` on each decoder
+            layer and the root, as a ``configure_model`` runs it under Lightning's ``ModelParallelStrategy``
+            (Lightning's ``strategy="fsdp"`` is FSDP1, whose wrap policy decides what is gathered at once: not
+            modelled).
         devices: The number of ranks (devices), 1 for ``single``.
     """
 
@@ -100,11 +102,14 @@ def ranks_for(strategy: Optional[str], devices: Optional[int]) -> Ranks:
         raise EstimateError(f"--devices {devices!r}: expected a whole number of ranks >= 1")
     if strategy == "single" and devices != 1:
         raise EstimateError(
-            f"--devices {devices} without --strategy: say how the {devices} ranks share the work "
+            f"--devices {devices} on one device (no --strategy): say how the {devices} ranks share the work "
             "(--strategy ddp: each holds the whole model; --strategy fsdp: each holds 1/N of it)"
         )
     if strategy != "single" and devices < 2:
-        raise EstimateError(f"--strategy {strategy} on {devices} device: give --devices N, N >= 2")
+        raise EstimateError(
+            f"--strategy {strategy} on {devices} device: a world of one rank is one device, which the estimate counts "
+            "without --strategy. Give --devices N (N >= 2) for each rank's share."
+        )
     return Ranks(strategy, devices)
 
 
@@ -120,6 +125,12 @@ def fake_world(ranks: Ranks) -> Iterator[Any]:
         yield None
         return
     import torch.distributed as dist
+
+    if not dist.is_available():
+        raise EstimateError(
+            f"--strategy {ranks.strategy}: this torch is built without torch.distributed, whose fake process group "
+            "the per-rank estimate runs on. Estimate one device (no --strategy), or use a torch with distributed."
+        )
     import torch.nn.parallel.distributed as ddp_module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -20,10 +20,11 @@ class StepEstimate:
         seq: Tokens per sequence.
         batch: Sequences per step.
         parameter_bytes: Parameters on the device when the step starts (layer offloading: what it keeps there; the
-            streamed layers' copies are ``streamed_weight_bytes``).
+            streamed layers' copies are ``streamed_weight_bytes``; under FSDP2, the rank's shards).
         buffer_bytes: The model's buffers on the device (rotary tables...).
-        gradient_bytes: The trainable parameters' gradients.
-        optimizer_bytes: The optimizer's state.
+        gradient_bytes: The trainable parameters' gradients (under FSDP2, the rank's shards; under DDP, with its
+            gradient buckets).
+        optimizer_bytes: The optimizer's state (under FSDP2, the rank's shards).
         activation_peak_bytes: The most that activations and temporaries hold together at any moment of the step, as
             :func:`lightning_ac.memory.measure_step` counts it (the benchmark's ``peak_activation_bytes``).
         activation_peak_at: Where in the step that peak falls: ``forward``, ``head`` (the output head and the loss,
@@ -34,7 +35,8 @@ class StepEstimate:
             output apart (0 for a layer that is recomputed and keeps only its input).
         layer_input_bytes: The decoder layers' inputs kept on the device for backward (and the head's input).
         outside_bytes: What is kept outside the decoder layers when the head starts (embeddings' output, masks...).
-        streamed_weight_bytes: Layer offloading: the most bytes of streamed weights on the device at once.
+        streamed_weight_bytes: Layer offloading: the most bytes of streamed weights on the device at once; under
+            FSDP2, of gathered parameters and their all-gather buffers.
         host_bytes: The most host memory the step's offloading holds (activations offloaded, streamed weights
             between uses): a pool apart from the device's.
         device_total_bytes: The most device bytes held at any moment of the step: parameters, buffers, gradients,

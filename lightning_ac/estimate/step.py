@@ -6,7 +6,9 @@ and strides, no memory). A real Lightning ``Trainer`` fits it one step on the CP
 CPU trainer), so the plan, the recompute engines, the save rules and the copy engines are the ones a run uses. The
 step is the one after a first: the gradients of the step before exist until Lightning zeroes them after the
 forward, and the optimizer's state exists (both made on the fake tensors before the step, without running the
-model). :class:`~lightning_ac.estimate.tracker.MemoryTracker` counts it.
+model). :class:`~lightning_ac.estimate.tracker.MemoryTracker` counts it. Per rank of N under DDP or FSDP2, the step
+is rank 0's on torch's fake process group, the model wrapped where Lightning wraps it
+(:mod:`~lightning_ac.estimate.ranks`).
 """
 
 from __future__ import annotations

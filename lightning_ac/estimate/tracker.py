@@ -106,7 +106,6 @@ class MemoryTracker(TorchDispatchMode):
         flops: FLOPs per :class:`Phase`.
         failed_op: The innermost op that raised last (an op fake tensors cannot run); :meth:`op_that_raised`
             tells whether it is what an exception came from.
-        active: Whether the tracker is counting now (entered).
         region: What the step's code is running now (the estimate sets it: a decoder layer's index, ``"outside"``,
             ``"head"``); each activation remembers the region it was made in.
     """
@@ -133,7 +132,7 @@ class MemoryTracker(TorchDispatchMode):
         self.region: Any = "outside"
         self.region_live: Dict[Any, int] = {}
         self.head = False  # inside the output head's window (set by the estimate)
-        self.active = False  # entered: counting ops' outputs
+        self._depth = 0  # how many times it is entered now
         self.in_optimizer = False  # the backward has ended (Lightning steps the optimizer then; its forward and
         # backward run inside optimizer.step(closure), so the optimizer's own hooks cannot tell)
         self._entries: Dict[int, _Entry] = {}  # id(storage) -> its entry, while the storage lives
@@ -146,12 +145,18 @@ class MemoryTracker(TorchDispatchMode):
         self._failed_error: Optional[Tuple[type, str]] = None
 
     def __enter__(self) -> MemoryTracker:
-        self.active = True
-        return super().__enter__()
+        entered = super().__enter__()
+        self._depth += 1
+        return entered
 
     def __exit__(self, *exc: Any) -> None:
-        self.active = False
+        self._depth -= 1
         super().__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        """Whether the tracker is counting now (entered, at any depth)."""
+        return self._depth > 0
 
     def op_that_raised(self, err: BaseException) -> Any:
         """The op ``err`` came from (the innermost op that raised it, or an error it was raised from), or ``None``:
