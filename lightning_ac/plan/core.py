@@ -26,6 +26,7 @@ from lightning_ac.config import (
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import DecoderLayers, find_decoder_layers
 from lightning_ac.loss import ChunkedLoss
+from lightning_ac.loss.install import install_chunked_loss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES
 from lightning_ac.offload.weights import LayerWeightStreamer
@@ -37,7 +38,7 @@ from lightning_ac.plan.training_step import transferred, verifier_for, wrap_trai
 from lightning_ac.plan.weights import DDP_IGNORE, log_weight_streamer, share_streamed_weights, weight_streamer_for
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
-from lightning_ac.tiled_mlp.install import TiledMLP
+from lightning_ac.tiled_mlp.install import TiledMLP, install_tiled_mlp
 from lightning_ac.train_mode import check_train_mode
 from lightning_ac.verify import StepVerifier
 
@@ -114,14 +115,10 @@ class Plan:
         return self.recompute.budget if self.recompute is not None else None
 
     @property
-    def _chunked_loss_here(self) -> bool:
-        """The block asks for the chunked loss, and this run trains (no other stage computes a training loss)."""
-        return self.config.chunked_loss is not None and self._fitting
-
-    @property
-    def _tiled_mlp_here(self) -> bool:
-        """The block asks for the tiled MLP, and this run trains (no other stage has a backward to tile)."""
-        return self.config.tiled_mlp is not None and self._fitting
+    def _loss_or_mlp_here(self) -> bool:
+        """The block asks for the chunked loss or the tiled MLP, and this run trains (no other stage computes a
+        training loss, or has a backward to tile)."""
+        return (self.config.chunked_loss is not None or self.config.tiled_mlp is not None) and self._fitting
 
     # -- apply ----------------------------------------------------------------------------------------------
 
@@ -144,7 +141,7 @@ class Plan:
         self._offload_here = offload_wanted(self.activation_offload_request, self.device)
         self._check_releases()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
-            if not self._offload_here and not self._chunked_loss_here and not self._tiled_mlp_here:
+            if not self._offload_here and not self._loss_or_mlp_here:
                 return
             layers = find_decoder_layers(module)
             if layers.hf_models or not isinstance(module, LightningModule):
@@ -225,12 +222,9 @@ class Plan:
                 )
                 if self._fitting:
                     cache_off_for_the_run(layers, self._cache_configs)
-            if self._chunked_loss_here:
-                self._install_chunked_loss(layers)
-            if self._tiled_mlp_here:
-                assert self.config.tiled_mlp is not None
-                self.tiled_mlp = TiledMLP(self.config.tiled_mlp.tile_tokens, layers.modules, layers.noun)
-                self.tiled_mlp.install()
+            if self._fitting:
+                self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
+                self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
             self._install_verifier()
             self._wrap_training_step()
             self._journal.commit()
@@ -268,18 +262,6 @@ class Plan:
             parts.append(described)
         if parts:
             rank_zero_info("; ".join(parts))
-
-    def _install_chunked_loss(self, layers: DecoderLayers) -> None:
-        """The causal-LM loss of each transformers model a chunk of tokens at a time (checked before it installs)."""
-        assert self.config.chunked_loss is not None
-        if not layers.hf_models:
-            raise ConfigError(
-                "activation_checkpointing.chunked_loss: the model has no transformers causal-LM model (a "
-                "...ForCausalLM with an lm_head and a loss_function), whose loss the chunks compute. Set chunked_loss: "
-                "false, or compute your own loss in chunks."
-            )
-        self.chunked_loss = ChunkedLoss(self.config.chunked_loss.chunk_tokens, layers.hf_models)
-        self.chunked_loss.install()
 
     def _install_verifier(self) -> None:
         """Verify mode, when a request asks for it and something is transferred in this run."""

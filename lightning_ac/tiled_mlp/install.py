@@ -7,7 +7,7 @@ one argument, and the MLP's own forward otherwise (evaluation, no gradients, ext
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.tiled_mlp.function import tiled_mlp
 
-__all__ = ["MIN_AUTO_TILE_TOKENS", "TiledMLP", "auto_tile_tokens"]
+__all__ = ["MIN_AUTO_TILE_TOKENS", "TiledMLP", "auto_tile_tokens", "install_tiled_mlp"]
 
 # tile_tokens: auto never takes fewer tokens a tile: smaller matmuls run below speed
 MIN_AUTO_TILE_TOKENS = 256
@@ -110,3 +110,13 @@ class TiledMLP:
     @property
     def modules(self) -> List[nn.Module]:
         return list(self.mlps)
+
+
+def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
+    """Each decoder layer's MLP tiled for the run; ``None`` when the block does not ask for it (``config``: its
+    ``tiled_mlp``; ``layers``: the :class:`~lightning_ac.layers.DecoderLayers` found)."""
+    if config is None:
+        return None
+    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun)
+    tiled.install()
+    return tiled
