@@ -86,3 +86,18 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
         ActivationCheckpointing(tiled_mlp={"tile_tokens": 0})
     with pytest.raises(ConfigError, match=r"unknown field\(s\) 'tiles'"):
         ActivationCheckpointing(tiled_mlp={"tiles": 8})
+
+
+@pytest.mark.parametrize(
+    "tokens, hidden_size, tile",
+    [
+        (100_000, 4096, 4096),  # Llama-3-8B: its hidden size, a power of two, kept
+        (100_000, 4097, 8192),  # rounded up to a power of two
+        (100_000, 64, 256),  # a small model: the floor of 256 tokens
+        (100, 4096, 100),  # never more than the tokens there are
+    ],
+)
+def test_auto_tiles_hold_the_hidden_sizes_worth_of_tokens(tokens, hidden_size, tile):
+    from lightning_ac.tiled_mlp import auto_tile_tokens
+
+    assert auto_tile_tokens(tokens, hidden_size) == tile
