@@ -101,3 +101,19 @@ def test_auto_tiles_hold_the_hidden_sizes_worth_of_tokens(tokens, hidden_size, t
     from lightning_ac.tiled_mlp import auto_tile_tokens
 
     assert auto_tile_tokens(tokens, hidden_size) == tile
+
+
+def test_remove_puts_back_each_mlps_forward_as_found():
+    """Without the plan's journal too: an MLP without an instance forward has none again, one with its own keeps
+    it."""
+    from lightning_ac.tiled_mlp import TiledMLP
+
+    model = tiny_model("llama")
+    layers = model.model.layers
+    own = layers[1].mlp.forward
+    layers[1].mlp.forward = own  # an instance attribute of the caller's
+    tiled = TiledMLP({"tile_tokens": 8}["tile_tokens"], layers)
+    tiled.install()
+    assert all("forward" in layer.mlp.__dict__ for layer in layers)
+    tiled.remove()
+    assert "forward" not in layers[0].mlp.__dict__ and layers[1].mlp.__dict__["forward"] is own

@@ -50,8 +50,8 @@ MUTANTS: List[Mutant] = [
         INSTALL,
         '                mlp.__dict__.pop("forward", None)',
         "                pass",
-        "the tiled forward stays on each MLP after the run",
-        (f"{T}::test_a_run_with_the_tiled_mlp_trains_as_without_it_and_leaves_the_model_as_found",),
+        "the tiled forward stays on each MLP after the run (where no journal puts it back)",
+        (f"{T}::test_remove_puts_back_each_mlps_forward_as_found",),
     ),
     Mutant(
         INSTALL,
