@@ -39,16 +39,19 @@ def test_fsdp2s_gathered_layers_come_and_go_and_its_sharded_gradients_stay(devic
             ids = torch.zeros(2, 32, dtype=torch.long)
             tracker.track_external([model], [])
             assert tracker.live[Kind.PARAMETER] == whole // devices  # the tiny model's shapes divide evenly
+            layer = _storage_bytes(model.model.layers[0].parameters()) * devices
+            root = whole - layer * len(model.model.layers)
             with tracker:
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                # after the forward the root's parameters stay gathered for the backward, every layer's are freed
+                assert tracker.live[Kind.WEIGHTS] == root
+                loss.backward()
             sharded = [p.grad for p in model.parameters()]
             assert all(type(g).__name__ == "DTensor" for g in sharded)
             assert tracker.live[Kind.GRADIENT] == _storage_bytes(sharded) == whole // devices
             assert tracker.live[Kind.WEIGHTS] == 0, "every gathered layer is freed again after the backward"
             # the root's parameters (embeddings, head, norm) gathered with their all-gather buffer, beside the first
             # layer's gathered ahead: never every layer at once
-            layer = _storage_bytes(model.model.layers[0].parameters()) * devices
-            root = whole - layer * len(model.model.layers)
             assert root + layer < tracker.weights_peak <= 2 * (root + 2 * layer) < whole
             assert tracker.live[Kind.ACTIVATION] < whole // 8, "nothing of the step is left but the loss"
     assert not torch.distributed.is_initialized()

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_ac.estimate.tracker import Kind, MemoryTracker
 from lightning_ac.fake import patched
 
-__all__ = ["HostOfStreamer", "StepMeter", "engines_tagged"]
+__all__ = ["HostOfStreamer", "StepMeter", "engines_tagged", "tagged_method"]
 
 
 class StepMeter(Callback):
@@ -126,25 +126,27 @@ class StepMeter(Callback):
 
 
 @contextlib.contextmanager
+def tagged_method(tracker: MemoryTracker, owner: Any, name: str, kind: Kind) -> Iterator[None]:
+    """Inside: what the method ``owner.name`` allocates counts as ``kind`` (the method as found afterwards)."""
+    method = owner.__dict__[name]
+
+    def tagged(*args: Any, **kwargs: Any) -> Any:
+        with tracker.tagging(kind):
+            return method(*args, **kwargs)
+
+    with patched(owner, name, tagged):
+        yield
+
+
+@contextlib.contextmanager
 def engines_tagged(tracker: MemoryTracker) -> Iterator[None]:
     """What the copy engines allocate as host memory (activation offloading's host buffers) and as streamed weights
     (layer offloading's device copies of a layer) is counted as such."""
     from lightning_ac.offload.engine import TransferEngine
     from lightning_ac.offload.weights.residency import LayerResidency
 
-    host_buffer = TransferEngine.__dict__["_host_buffer"]
-    load = LayerResidency.__dict__["_load"]
-
-    def tagged_host_buffer(self: Any, nbytes: int) -> Any:
-        with tracker.tagging(Kind.HOST):
-            return host_buffer(self, nbytes)
-
-    def tagged_load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with tracker.tagging(Kind.WEIGHTS):
-            return load(self, *args, **kwargs)
-
-    with patched(TransferEngine, "_host_buffer", tagged_host_buffer):
-        with patched(LayerResidency, "_load", tagged_load):
+    with tagged_method(tracker, TransferEngine, "_host_buffer", Kind.HOST):
+        with tagged_method(tracker, LayerResidency, "_load", Kind.WEIGHTS):
             yield
 
 

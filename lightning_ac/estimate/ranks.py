@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_ac.estimate.errors import EstimateError
+from lightning_ac.estimate.meter import tagged_method
 from lightning_ac.estimate.tracker import Kind, MemoryTracker
 from lightning_ac.fake import patched
 
@@ -38,7 +39,7 @@ DDP_BUCKET_MB = 25  # Lightning's DDPStrategy leaves DDP's default
 
 @dataclass(frozen=True)
 class Ranks:
-    """The data-parallel strategy a run trains under, in Lightning's words, and its number of ranks.
+    """The data-parallel strategy a run trains under, and its number of ranks.
 
     Attributes:
         strategy: ``single`` (one device, the default), ``ddp``, or ``fsdp``: FSDP2's ``fully_shard`` on each decoder
@@ -184,18 +185,8 @@ def counted(ranks: Ranks, tracker: MemoryTracker) -> Iterator[None]:
         return
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    unshard = FSDPParamGroup.__dict__["unshard"]
-    wait_for_unshard = FSDPParamGroup.__dict__["wait_for_unshard"]
     post_backward = FSDPParamGroup.__dict__["post_backward"]
     resize = torch.UntypedStorage.resize_
-
-    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with tracker.tagging(Kind.WEIGHTS):
-            return unshard(self, *args, **kwargs)
-
-    def counted_wait_for_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with tracker.tagging(Kind.WEIGHTS):
-            return wait_for_unshard(self, *args, **kwargs)
 
     def counted_post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = post_backward(self, *args, **kwargs)
@@ -210,8 +201,9 @@ def counted(ranks: Ranks, tracker: MemoryTracker) -> Iterator[None]:
         return out
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(FSDPParamGroup, "unshard", counted_unshard))
-        stack.enter_context(patched(FSDPParamGroup, "wait_for_unshard", counted_wait_for_unshard))
+        # the all-gather's buffers, and the gathered parameters it copies out into
+        stack.enter_context(tagged_method(tracker, FSDPParamGroup, "unshard", Kind.WEIGHTS))
+        stack.enter_context(tagged_method(tracker, FSDPParamGroup, "wait_for_unshard", Kind.WEIGHTS))
         stack.enter_context(patched(FSDPParamGroup, "post_backward", counted_post_backward))
         stack.enter_context(patched(torch.UntypedStorage, "resize_", counted_resize))
         yield

@@ -159,18 +159,15 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         RANKS,
-        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
-        "        with tracker.tagging(Kind.WEIGHTS):",
-        "    def counted_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n        with contextlib.nullcontext():",
+        'tagged_method(tracker, FSDPParamGroup, "unshard", Kind.WEIGHTS)',
+        'tagged_method(tracker, FSDPParamGroup, "unshard", Kind.ACTIVATION)',
         "the all-gather's buffers count as activations, not gathered weights",
         RANK_UNITS,
     ),
     Mutant(
         RANKS,
-        "    def counted_wait_for_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
-        "        with tracker.tagging(Kind.WEIGHTS):",
-        "    def counted_wait_for_unshard(self: Any, *args: Any, **kwargs: Any) -> Any:\n"
-        "        with contextlib.nullcontext():",
+        'tagged_method(tracker, FSDPParamGroup, "wait_for_unshard", Kind.WEIGHTS)',
+        'tagged_method(tracker, FSDPParamGroup, "wait_for_unshard", Kind.ACTIVATION)',
         "the gathered parameters FSDP2 copies out of the all-gather count as activations, not gathered weights",
         RANK_UNITS,
     ),
