@@ -43,7 +43,8 @@ def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
     if tiled is not None:  # a setting of any mode too
         tokens = tiled["tile_tokens"]
         label = mode_label(dataclasses.replace(block, tiled_mlp=None), choice, from_legacy_keys)
-        return f"{label} + tiled_mlp" + ("" if tokens == AUTO else f" ({tokens} tokens)")
+        details = ([] if tokens == AUTO else [f"{tokens} tokens"]) + ([] if tiled.get("norms", True) else ["MLP only"])
+        return f"{label} + tiled_mlp" + (f" ({', '.join(details)})" if details else "")
     chunked = resolved.get("chunked_loss")
     if chunked is not None:  # a setting of any mode: the mode's name, and the chunks
         tokens = chunked["chunk_tokens"]

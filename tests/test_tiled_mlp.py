@@ -35,6 +35,59 @@ def test_the_tiled_mlp_trains_as_the_untiled_one(lora, tile):
     assert sum(p.requires_grad for p in params) == (6 if lora else 3)
 
 
+@pytest.mark.parametrize("family, norm", [("llama", "input_layernorm"), ("gemma3_text", "pre_feedforward_layernorm")])
+@pytest.mark.parametrize("tile", [1, 16, 1000])
+def test_a_tiled_norm_trains_as_the_untiled_one(family, norm, tile):
+    """A norm is computed per token: tiled, its output and its input's gradient are the untiled ones bit for bit;
+    its weight's gradient (a full fine-tune) is a sum over tiles, within float rounding."""
+    module = getattr(tiny_model(family).model.layers[0], norm)
+    module.requires_grad_(True)
+    x = torch.randn(2, 37, 64, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    want = module(x)
+    g = torch.randn_like(want)
+    want.backward(g)
+    want_x, want_w = x.grad.clone(), module.weight.grad.clone()
+    x.grad = module.weight.grad = None
+    got = tiled_mlp(module.forward, x, list(module.parameters()), tile)
+    got.backward(g)
+    assert torch.equal(got, want) and torch.equal(x.grad, want_x)
+    assert torch.allclose(module.weight.grad, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family, per_layer",
+    [
+        ("llama", ["input_layernorm", "post_attention_layernorm"]),
+        ("qwen3", ["input_layernorm", "post_attention_layernorm"]),  # not attention's per-head q_norm and k_norm
+        (
+            "gemma3_text",
+            ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+        ),
+    ],
+)
+def test_the_norms_tiled_are_each_layers_own_and_the_final_norm(family, per_layer):
+    from lightning_ac.config import TiledMLPConfig
+    from lightning_ac.layers import find_decoder_layers
+    from lightning_ac.tiled_mlp.install import install_tiled_mlp
+
+    model = tiny_model(family, lora=True)
+    layers = find_decoder_layers(model)
+    tiled = install_tiled_mlp(TiledMLPConfig(), layers)
+    try:
+        inner = model.get_base_model().model
+        want = [getattr(layer, name) for layer in inner.layers for name in per_layer] + [inner.norm]
+        assert [id(m) for m in tiled.norms] == [id(m) for m in want]
+        assert all("forward" in m.__dict__ for m in tiled.modules)
+        assert all("forward" not in m.__dict__ for layer in inner.layers for m in layer.self_attn.modules())
+        assert f"and {len(want)} norms" in tiled.describe()
+    finally:
+        tiled.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    only = install_tiled_mlp(TiledMLPConfig(norms=False), layers)
+    assert only.norms == [] and len(only.modules) == len(inner.layers)
+    only.remove()
+
+
 # -- in a run ----------------------------------------------------------------------------------------------------
 
 
@@ -56,6 +109,7 @@ def _assert_close_training(reference, run, rtol=1e-5, atol=1e-6):
         ("gemma3_text", {"tiled_mlp": True}),  # GELU; auto tiles (hidden 64: the floor of 256 tokens, one tile)
         ("llama", {"enabled": False, "tiled_mlp": {"tile_tokens": 8}}),  # the tiled MLP alone
         ("llama", {"tiled_mlp": {"tile_tokens": 8}, "chunked_loss": {"chunk_tokens": 16}}),
+        ("llama", {"tiled_mlp": {"tile_tokens": 8, "norms": False}}),  # the MLP only
     ],
 )
 def test_a_run_with_the_tiled_mlp_trains_as_without_it_and_leaves_the_model_as_found(family, block):
@@ -86,6 +140,8 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
         ActivationCheckpointing(tiled_mlp={"tile_tokens": 0})
     with pytest.raises(ConfigError, match=r"unknown field\(s\) 'tiles'"):
         ActivationCheckpointing(tiled_mlp={"tiles": 8})
+    with pytest.raises(ConfigError, match=r"tiled_mlp=\.\.\.\)\.norms: expected true or false, got 'no'"):
+        ActivationCheckpointing(tiled_mlp={"norms": "no"})
 
 
 @pytest.mark.parametrize(

@@ -130,16 +130,22 @@ def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp"
     if not isinstance(value, Mapping):
         return value
     reject_unknown(value, TILED_MLP_FIELDS, name)
+    norms = value.get("norms", True)
+    if not isinstance(norms, bool):
+        raise ConfigError(
+            f"{name}.norms: expected true or false, got {norms!r}. Write norms: false to tile the MLP only, or leave "
+            "it out (true: the layers' norms and the final norm are tiled too)."
+        )
     tokens = value.get("tile_tokens", AUTO)
     if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
-        return TiledMLPConfig()
+        return TiledMLPConfig(norms=norms)
     parse_count(
         tokens,
         f"{name}.tile_tokens",
         minimum=1,
         fix="It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default).",
     )
-    return TiledMLPConfig(tile_tokens=tokens)
+    return TiledMLPConfig(tile_tokens=tokens, norms=norms)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:

@@ -41,8 +41,18 @@ class _TiledMLP(torch.autograd.Function):
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _random_state(x)
         ctx.save_for_backward(x)
-        outputs = [mlp(flat[start:end]) for start, end in ctx.tiles]
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        out: Any = None
+        for start, end in ctx.tiles:
+            tile = mlp(flat[start:end])
+            if out is None:
+                if end == flat.shape[0]:
+                    out = tile
+                    break
+                # each tile is written into the output as it comes: a list of tiles joined at the end would hold
+                # the output twice
+                out = tile.new_empty((flat.shape[0], tile.shape[-1]))
+            out[start:end] = tile
+            del tile
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -121,6 +131,6 @@ def tiled_mlp(
         tile_tokens: Tokens a tile (``>= 1``).
     """
     trainable = [p for p in params if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+    if not torch.is_grad_enabled() or not (x.requires_grad or trainable) or x.shape[:-1].numel() == 0:
         return mlp(x)
     return _TiledMLP.apply(mlp, int(tile_tokens), x, *trainable)

@@ -1,8 +1,15 @@
-"""``tiled_mlp``: each decoder layer's MLP a tile of tokens at a time, for the run.
+"""``tiled_mlp``: each decoder layer's MLP a tile of tokens at a time, for the run; and with ``norms: true`` (the
+default) the layers' norms and the final norm too.
 
-Each layer's ``mlp`` gets an instance ``forward`` (put back at removal) that runs
-:func:`~lightning_ac.tiled_mlp.function.tiled_mlp` around the MLP's own forward in a training call (gradients on) of
-one argument, and the MLP's own forward otherwise (evaluation, no gradients, extra arguments).
+Each tiled module gets an instance ``forward`` (put back at removal) that runs
+:func:`~lightning_ac.tiled_mlp.function.tiled_mlp` around the module's own forward in a training call (gradients on)
+of one argument, and the module's own forward otherwise (evaluation, no gradients, extra arguments).
+
+Why the norms: once the MLP is tiled, a layer's norms are what holds most at long context. An RMSNorm computes in
+float32 whatever the model's dtype, saves the float32 copy of its input, and its backward makes about six float32
+tensors of the input's shape: at 4,096 hidden that is 96 KiB a token in the backward of a recomputed layer (and of the
+final norm, after the head), against 8 KiB for the bf16 hidden states. A norm is computed per token as an MLP is, so
+it tiles the same way and saves only its (bf16) input.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from torch import nn
 from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.tiled_mlp.function import tiled_mlp
 
-__all__ = ["MIN_AUTO_TILE_TOKENS", "TiledMLP", "auto_tile_tokens", "install_tiled_mlp"]
+__all__ = ["MIN_AUTO_TILE_TOKENS", "TiledMLP", "auto_tile_tokens", "final_norms", "install_tiled_mlp", "is_norm", "layer_norms"]
 
 # tile_tokens: auto never takes fewer tokens a tile: smaller matmuls run below speed
 MIN_AUTO_TILE_TOKENS = 256
@@ -31,6 +38,32 @@ def auto_tile_tokens(tokens: int, hidden_size: int) -> int:
     return min(tokens, max(MIN_AUTO_TILE_TOKENS, 1 << (max(1, hidden_size) - 1).bit_length()))
 
 
+def is_norm(module: nn.Module) -> bool:
+    """A per-token norm (``LayerNorm``, an ``RMSNorm`` of any model): it normalises each token over the last
+    dimension, so a tile of tokens at a time computes the same rows."""
+    name = type(module).__name__.lower()
+    return "layernorm" in name or "rmsnorm" in name
+
+
+def layer_norms(layer: nn.Module) -> List[nn.Module]:
+    """The norms a decoder layer holds directly (``input_layernorm``, ``post_attention_layernorm``, Gemma's
+    pre- and post-feedforward norms); a norm inside attention (Qwen3's per-head ``q_norm``) is left alone."""
+    return [child for child in layer.children() if is_norm(child)]
+
+
+def final_norms(models: Sequence[nn.Module], layers: Sequence[nn.Module]) -> List[nn.Module]:
+    """The norms beside each model's list of decoder layers (``model.norm``: the last hidden states' norm, before
+    the output head)."""
+    ids = {id(layer) for layer in layers}
+    found: List[nn.Module] = []
+    for model in models:
+        for module in model.modules():
+            children = list(module.children())
+            if any(isinstance(c, nn.ModuleList) and any(id(m) in ids for m in c) for c in children):
+                found.extend(c for c in children if is_norm(c) and all(c is not f for f in found))
+    return found
+
+
 def _sparse(mlp: nn.Module) -> bool:
     """A sparse mixture of experts: a router sends each token to some experts (and adds an auxiliary loss)."""
     name = type(mlp).__name__.lower()
@@ -44,15 +77,23 @@ class TiledMLP:
         tile_tokens: Tokens per tile, or ``"auto"`` (:func:`auto_tile_tokens`, per call).
         layers: The decoder layers, each with its MLP as ``mlp``.
         noun: What the layers are called in messages (``decoder layers``).
+        norms: The norms to tile too (:func:`layer_norms`, :func:`final_norms`).
 
     Raises:
         ConfigError: If a layer has no ``mlp`` module, or its MLP is a sparse mixture of experts (its router and
             auxiliary loss are not tiled).
     """
 
-    def __init__(self, tile_tokens: Any, layers: Sequence[nn.Module], noun: str = "decoder layers") -> None:
+    def __init__(
+        self,
+        tile_tokens: Any,
+        layers: Sequence[nn.Module],
+        noun: str = "decoder layers",
+        norms: Sequence[nn.Module] = (),
+    ) -> None:
         self.tile_tokens = tile_tokens
         self.mlps = [self.find(layer, index) for index, layer in enumerate(layers)]
+        self.norms = list(norms)
         self.noun = noun
         self._saved: Dict[int, Any] = {}
         self.tiled_calls = 0
@@ -77,19 +118,19 @@ class TiledMLP:
         return mlp
 
     def install(self) -> None:
-        for mlp in self.mlps:
-            self._saved[id(mlp)] = mlp.__dict__.get("forward", _MISSING)
-            mlp.forward = self._forward_of(mlp, mlp.forward)  # type: ignore[method-assign]
+        for module in self.modules:
+            self._saved[id(module)] = module.__dict__.get("forward", _MISSING)
+            module.forward = self._forward_of(module, module.forward)  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        for mlp in self.mlps:
-            saved = self._saved.pop(id(mlp), _MISSING)
+        for module in self.modules:
+            saved = self._saved.pop(id(module), _MISSING)
             if saved is _MISSING:
-                mlp.__dict__.pop("forward", None)
+                module.__dict__.pop("forward", None)
             else:
-                mlp.forward = saved  # type: ignore[method-assign]
+                module.forward = saved  # type: ignore[method-assign]
 
-    def _forward_of(self, mlp: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _forward_of(self, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
                 return original(x, *args, **kwargs)
@@ -99,17 +140,19 @@ class TiledMLP:
                 tile = auto_tile_tokens(tokens, x.shape[-1])
             self.tiled_calls += 1
             self.last_tiles = (int(tile), tokens)
-            return tiled_mlp(original, x, list(mlp.parameters()), int(tile))
+            return tiled_mlp(original, x, list(module.parameters()), int(tile))
 
         return forward
 
     def describe(self) -> str:
         tile = self.tile_tokens if self.tile_tokens != AUTO else "auto"
-        return f"tiled MLP ({len(self.mlps)} {self.noun}, tile_tokens: {tile})"
+        norms = f", and {len(self.norms)} norms" if self.norms else ""
+        return f"tiled MLP ({len(self.mlps)} {self.noun}{norms}, tile_tokens: {tile})"
 
     @property
     def modules(self) -> List[nn.Module]:
-        return list(self.mlps)
+        """The tiled modules: the MLPs, then the norms."""
+        return list(self.mlps) + list(self.norms)
 
 
 def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
@@ -117,6 +160,10 @@ def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
     ``tiled_mlp``; ``layers``: the :class:`~lightning_ac.layers.DecoderLayers` found)."""
     if config is None:
         return None
-    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun)
+    norms: List[nn.Module] = []
+    if config.norms:
+        norms = [norm for layer in layers.modules for norm in layer_norms(layer)]
+        norms += final_norms(layers.hf_models, layers.modules)
+    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms)
     tiled.install()
     return tiled
