@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import tiny_model
@@ -127,6 +128,108 @@ def test_a_run_with_the_tiled_mlp_trains_as_without_it_and_leaves_the_model_as_f
     tiled = next(cb for cb in callbacks if type(cb).__name__ == "ActivationCheckpointing")
     assert model_fingerprint(model) == before, "nothing of the tiled MLP is left on the model"
     assert tiled is not None
+
+
+class _BackwardFlops(pl.Callback):
+    """The first step's backward FLOPs (torch's FlopCounterMode: matmuls and attention)."""
+
+    flops = None
+
+    def on_before_backward(self, trainer, module, loss):
+        if self.flops is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self.mode = FlopCounterMode(display=False)
+            self.mode.__enter__()
+
+    def on_after_backward(self, trainer, module):
+        if self.flops is None:
+            self.mode.__exit__(None, None, None)
+            self.flops = self.mode.get_total_flops()
+
+
+@pytest.mark.parametrize("norms", [True, False])
+def test_a_recomputed_layer_runs_no_mlp_forward_of_its_own(norms):
+    """Checkpointing stops a layer's recompute at the last tensor it saved: the tiled MLP's input, saved before the
+    MLP runs. The backward then runs the MLP's forward once, a tile at a time, not once in the recompute and again in
+    the tiles. To the FLOP, it computes what the untiled checkpointed layer's does and one matmul more: the down
+    projection's forward, whose output the untiled recompute never computes (it stops at the down projection's
+    saved input) and a tile's forward must compute to backpropagate."""
+    from conftest import BATCH, SEQ, fit
+
+    from lightning_ac import ActivationCheckpointing
+
+    base = tiny_model("llama")
+    untiled, tiled = _BackwardFlops(), _BackwardFlops()
+    fit(copy.deepcopy(base), [ActivationCheckpointing(), untiled])
+    fit(copy.deepcopy(base), [ActivationCheckpointing(tiled_mlp={"tile_tokens": 8, "norms": norms}), tiled])
+    config = base.config
+    down_projection = 2 * BATCH * SEQ * config.intermediate_size * config.hidden_size
+    assert untiled.flops > 0
+    assert tiled.flops == untiled.flops + config.num_hidden_layers * down_projection
+
+
+TILES = {"tile_tokens": 8}
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "block, kwargs",
+    [
+        pytest.param({"kwargs": {"every_n_layers": 2}}, {}, id="every_2", marks=SLOW),
+        pytest.param({"budget": "1MiB"}, {}, id="budget", marks=SLOW),
+        pytest.param({"offload": {"hidden_states": "cpu"}}, {}, id="offload_hidden"),
+        pytest.param({"offload": {"all": "cpu"}}, {}, id="offload_all", marks=SLOW),
+        pytest.param({"selective": True, "offload": {"selective": "cpu"}}, {}, id="offload_selective", marks=SLOW),
+        pytest.param({}, {"layer_offloading": True, "copy_on_host": True}, id="layer_offloading"),
+    ],
+)
+def test_the_tiled_mlp_composes_with_each_mode(block, kwargs):
+    """Each mode with the tiled MLP (and its norms) trains as the untiled run within float rounding, its backward
+    runs a tile at a time, and the model is left as found."""
+    from conftest import fit, model_fingerprint
+
+    from lightning_ac import callbacks_from_config
+    from lightning_ac.tiled_mlp import function
+
+    base = tiny_model("llama", lora=True)
+    reference = fit(copy.deepcopy(base), max_steps=2)
+    model = copy.deepcopy(base)
+    before = model_fingerprint(model)
+    backward, calls = function._TiledMLP.backward, []
+
+    def counted(ctx, grad):
+        calls.append(len(ctx.tiles))
+        return backward(ctx, grad)
+
+    function._TiledMLP.backward = staticmethod(counted)
+    try:
+        run = fit(model, callbacks_from_config({**block, "tiled_mlp": TILES}, **kwargs), max_steps=2)
+    finally:
+        function._TiledMLP.backward = staticmethod(backward)
+    _assert_close_training(reference, run)
+    layers = base.config.num_hidden_layers
+    # per step, each layer's MLP and two norms and the final norm, in 2 x 32 / 8 tiles each; but the first layer's
+    # input norm, whose input (the frozen embeddings') and weight (frozen) want no gradient: it runs untiled
+    assert calls == [8] * (2 * (3 * layers + 1 - 1))
+    assert model_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
+    """Each decoder layer compiled (torchtitan's way): the compiled layers train as the same compiled layers
+    without the tiled MLP, within float rounding."""
+    from test_compile import GraphLM, GraphRecorder, compiled
+
+    from conftest import fit
+
+    from lightning_ac import callbacks_from_config
+
+    base = tiny_model("llama")
+    reference = fit(compiled(base, GraphRecorder(False), "layer"), max_steps=2, module_cls=GraphLM)
+    block = {"enabled": enabled, "tiled_mlp": TILES}
+    run = fit(compiled(base, GraphRecorder(False), "layer"), callbacks_from_config(block), max_steps=2, module_cls=GraphLM)
+    _assert_close_training(reference, run)
 
 
 def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():

@@ -26,13 +26,38 @@ def _tiles(tokens: int, tile_tokens: int) -> List[Tuple[int, int]]:
     return [(start, min(start + tile_tokens, tokens)) for start in range(0, tokens, tile_tokens)]
 
 
+class _SavedInput(torch.autograd.Function):
+    """``x`` as it is, saved: the tiled MLP's input, saved before the MLP runs.
+
+    Under non-reentrant checkpointing a recomputed layer stops at the last saved tensor its backward needs. Saved
+    here, before the tiles run, the MLP's input is that tensor in a layer whose MLP is its last saving op (Llama's,
+    Qwen's: a residual add follows), so the recompute stops before the MLP: a recomputed layer runs no MLP forward
+    but the one a tile at a time in the backward. (A function saving its own input saves it after its forward ran:
+    the whole MLP would run once more in each recompute, its output thrown away.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad  # its saved input is read (once) by the tiled MLP's backward
+
+
 class _TiledMLP(torch.autograd.Function):
-    """``forward(mlp, tile_tokens, x, *trainable)``: the trainable parameters are inputs, so that their gradients
-    are the function's outputs. A Function's forward runs without recording a graph."""
+    """``forward(mlp, tile_tokens, saved, x, *trainable)``: the trainable parameters are inputs, so that their
+    gradients are the function's outputs; ``saved`` is the :class:`_SavedInput` node that holds ``x`` (``None``:
+    this function saves ``x`` itself). A Function's forward runs without recording a graph."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, mlp: Callable[[torch.Tensor], torch.Tensor], tile_tokens: int, x: torch.Tensor, *params: torch.Tensor
+        ctx: Any,
+        mlp: Callable[[torch.Tensor], torch.Tensor],
+        tile_tokens: int,
+        saved: Any,
+        x: torch.Tensor,
+        *params: torch.Tensor,
     ) -> torch.Tensor:
         # detached: the tiles are plain tensors to whatever watches the MLP's calls (a module tracker's hooks)
         flat = x.detach().reshape(-1, x.shape[-1])
@@ -40,7 +65,9 @@ class _TiledMLP(torch.autograd.Function):
         ctx.tiles = _tiles(flat.shape[0], tile_tokens)
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _random_state(x)
-        ctx.save_for_backward(x)
+        ctx.saved = saved
+        if saved is None:
+            ctx.save_for_backward(x)
         out: Any = None
         for start, end in ctx.tiles:
             tile = mlp(flat[start:end])
@@ -57,15 +84,20 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.saved_tensors if ctx.saved is None else ctx.saved.saved_tensors
+        ctx.saved = None
         flat = x.detach().reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        want_x = ctx.needs_input_grad[2]
+        want_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat) if want_x else None
         grads: List[Optional[torch.Tensor]] = [None] * len(ctx.params)
         with _RandomState(ctx.rng, x), torch.autocast(**ctx.autocast), torch.enable_grad():
             for start, end in ctx.tiles:
                 tile = flat[start:end].detach().requires_grad_(want_x)
+                if want_x:
+                    # not a leaf: a module tracker's gradient hooks on the MLP's input (FlopCounterMode's) cannot
+                    # take a leaf inside autograd.grad
+                    tile = tile.view_as(tile)
                 out = ctx.mlp(tile)
                 wanted = ([tile] if want_x else []) + list(ctx.params)
                 found = list(torch.autograd.grad(out, wanted, grad_flat[start:end], allow_unused=True))
@@ -76,7 +108,7 @@ class _TiledMLP(torch.autograd.Function):
                     if g is not None:
                         grads[index] = g if grads[index] is None else grads[index] + g
                 del out, found
-        return (None, None, None if grad_x is None else grad_x.reshape(x.shape), *grads)
+        return (None, None, None, None if grad_x is None else grad_x.reshape(x.shape), *grads)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -133,4 +165,9 @@ def tiled_mlp(
     trainable = [p for p in params if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or trainable) or x.shape[:-1].numel() == 0:
         return mlp(x)
-    return _TiledMLP.apply(mlp, int(tile_tokens), x, *trainable)
+    if x.requires_grad and not torch.compiler.is_compiling():
+        # traced by torch.compile, a node's saved tensors are the compiled graph's: the function then saves its
+        # input itself
+        x = _SavedInput.apply(x)
+        return _TiledMLP.apply(mlp, int(tile_tokens), x.grad_fn, x, *trainable)
+    return _TiledMLP.apply(mlp, int(tile_tokens), None, x, *trainable)
