@@ -215,6 +215,35 @@ def test_the_tiled_mlp_composes_with_each_mode(block, kwargs):
     assert model_fingerprint(model) == before
 
 
+class _FirstPlan(pl.Callback):
+    """The budget's figures and the plan's layer table after the first (measuring) step."""
+
+    figures = rows = None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if self.figures is None:
+            plan = next(c for c in trainer.callbacks if type(c).__name__ == "ActivationCheckpointing").plan
+            self.figures = [f.saved_bytes for f in plan.budget.figures]
+            self.rows = plan.layer_rows()
+
+
+def test_the_budget_measures_the_smaller_layer_and_the_layer_table_says_so():
+    """The budget's measuring step runs the tiled MLP: each layer's measured working set is smaller by the MLP's
+    and the norms' intermediates, and the budget decides on those figures."""
+    from conftest import fit
+
+    from lightning_ac import ActivationCheckpointing
+
+    base = tiny_model("llama", lora=True)
+    untiled, tiled = _FirstPlan(), _FirstPlan()
+    fit(copy.deepcopy(base), [ActivationCheckpointing(budget="1GiB"), untiled])
+    fit(copy.deepcopy(base), [ActivationCheckpointing(budget="1GiB", tiled_mlp=TILES), tiled])
+    assert len(tiled.figures) == len(untiled.figures) == base.config.num_hidden_layers
+    assert all(0 < t < u for t, u in zip(tiled.figures, untiled.figures)), (tiled.figures, untiled.figures)
+    assert all("MLP and norms tiled (8 tokens a tile): their inputs only" in row.saves for row in tiled.rows)
+    assert not any("tiled" in row.saves for row in untiled.rows)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
     """Each decoder layer compiled (torchtitan's way): the compiled layers train as the same compiled layers

@@ -304,7 +304,13 @@ class Plan:
         if self.layers is None:
             return []
         return layer_rows(
-            self.layers, self.recomputed, self.selective, self.budget, self.weight_streamer, self.activation_offload
+            self.layers,
+            self.recomputed,
+            self.selective,
+            self.budget,
+            self.weight_streamer,
+            self.activation_offload,
+            self.tiled_mlp,
         )
 
     # -- remove ---------------------------------------------------------------------------------------------

@@ -144,6 +144,12 @@ class TiledMLP:
 
         return forward
 
+    def describe_layer(self) -> str:
+        """What a layer's tiled parts save, for the per-layer table."""
+        tile = "auto" if self.tile_tokens == AUTO else self.tile_tokens
+        norms = " and norms" if self.norms else ""
+        return f"MLP{norms} tiled ({tile} tokens a tile): their inputs only"
+
     def describe(self) -> str:
         tile = self.tile_tokens if self.tile_tokens != AUTO else "auto"
         norms = f", and {len(self.norms)} norms" if self.norms else ""
