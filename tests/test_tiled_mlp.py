@@ -274,6 +274,11 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
         ActivationCheckpointing(tiled_mlp={"tiles": 8})
     with pytest.raises(ConfigError, match=r"tiled_mlp=\.\.\.\)\.norms: expected true or false, got 'no'"):
         ActivationCheckpointing(tiled_mlp={"norms": "no"})
+    from lightning_ac.config import TiledMLPConfig, parse_tiled_mlp
+
+    assert parse_tiled_mlp({"norms": False}) == TiledMLPConfig(norms=False)
+    assert parse_tiled_mlp({"tile_tokens": 8, "norms": False}) == TiledMLPConfig(tile_tokens=8, norms=False)
+    assert parse_tiled_mlp(True) == TiledMLPConfig() and TiledMLPConfig().norms is True
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         INSTALL,
-        '                mlp.__dict__.pop("forward", None)',
+        '                module.__dict__.pop("forward", None)',
         "                pass",
         "the tiled forward stays on each MLP after the run (where no journal puts it back)",
         (f"{T}::test_remove_puts_back_each_mlps_forward_as_found",),
@@ -62,11 +62,57 @@ MUTANTS: List[Mutant] = [
     ),
 ]
 
+MUTANTS += [
+    Mutant(
+        FUNCTION,
+        "if x.requires_grad and not torch.compiler.is_compiling():",
+        "if False:",
+        "the function saves its own input, after the MLP ran: a recomputed layer runs the whole MLP once more",
+        (f"{T}::test_a_recomputed_layer_runs_no_mlp_forward_of_its_own",),
+    ),
+    Mutant(
+        FUNCTION,
+        "                    tile = tile.view_as(tile)",
+        "                    pass",
+        "the backward's tiles are leaves: a module tracker's gradient hooks (FlopCounterMode's) fail inside it",
+        (f"{T}::test_a_recomputed_layer_runs_no_mlp_forward_of_its_own",),
+    ),
+    Mutant(
+        FUNCTION,
+        "            out[start:end] = tile",
+        "            out[start : start + 1] = tile[:1]",
+        "the forward writes only each tile's first token into the output",
+        (T,),
+    ),
+    Mutant(
+        INSTALL,
+        '    return "layernorm" in name or "rmsnorm" in name',
+        "    return False",
+        "no norm is tiled: an RMSNorm's float32 copies stay the most a recomputed layer holds",
+        (f"{T}::test_the_norms_tiled_are_each_layers_own_and_the_final_norm",),
+    ),
+    Mutant(
+        INSTALL,
+        "        norms += final_norms(layers.hf_models, layers.modules)",
+        "",
+        "the final norm is not tiled: its float32 backward holds the head's peak",
+        (f"{T}::test_the_norms_tiled_are_each_layers_own_and_the_final_norm",),
+    ),
+    Mutant(
+        "lightning_ac/config/block.py",
+        "    return TiledMLPConfig(tile_tokens=tokens, norms=norms)",
+        "    return TiledMLPConfig(tile_tokens=tokens)",
+        "norms: false is ignored with a number of tile tokens",
+        (f"{T}::test_a_sparse_mixture_of_experts_and_bad_values_are_refused",),
+    ),
+]
+
 EQUIVALENT: List[Equivalent] = [
     Equivalent(
         FUNCTION,
-        "    if not torch.is_grad_enabled() or not (x.requires_grad or trainable):\n        return mlp(x)",
-        "    if not torch.is_grad_enabled():\n        return mlp(x)",
+        "    if not torch.is_grad_enabled() or not (x.requires_grad or trainable) or x.shape[:-1].numel() == 0:\n"
+        "        return mlp(x)",
+        "    if not torch.is_grad_enabled() or x.shape[:-1].numel() == 0:\n        return mlp(x)",
         "with nothing that needs a gradient the function's output needs none: its backward never runs, and its "
         "forward's tiles give the untiled values (the early return only saves the tiling)",
     ),
