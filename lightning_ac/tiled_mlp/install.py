@@ -96,8 +96,6 @@ class TiledMLP:
         self.norms = list(norms)
         self.noun = noun
         self._saved: Dict[int, Any] = {}
-        self.tiled_calls = 0
-        self.last_tiles: Any = None  # the last tiled call's (tokens a tile, tokens)
 
     @staticmethod
     def find(layer: nn.Module, index: int) -> nn.Module:
@@ -138,8 +136,6 @@ class TiledMLP:
             tile = self.tile_tokens
             if tile == AUTO:
                 tile = auto_tile_tokens(tokens, x.shape[-1])
-            self.tiled_calls += 1
-            self.last_tiles = (int(tile), tokens)
             return tiled_mlp(original, x, list(module.parameters()), int(tile))
 
         return forward
