@@ -248,16 +248,16 @@ def test_the_budget_measures_the_smaller_layer_and_the_layer_table_says_so():
 def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
     """Each decoder layer compiled (torchtitan's way): the compiled layers train as the same compiled layers
     without the tiled MLP, within float rounding."""
-    from test_compile import GraphLM, GraphRecorder, compiled
-
     from conftest import fit
+    from test_compile import GraphLM, GraphRecorder, compiled
 
     from lightning_ac import callbacks_from_config
 
     base = tiny_model("llama")
     reference = fit(compiled(base, GraphRecorder(False), "layer"), max_steps=2, module_cls=GraphLM)
     block = {"enabled": enabled, "tiled_mlp": TILES}
-    run = fit(compiled(base, GraphRecorder(False), "layer"), callbacks_from_config(block), max_steps=2, module_cls=GraphLM)
+    callbacks = callbacks_from_config(block)
+    run = fit(compiled(base, GraphRecorder(False), "layer"), callbacks, max_steps=2, module_cls=GraphLM)
     _assert_close_training(reference, run)
 
 

@@ -22,7 +22,15 @@ from torch import nn
 from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.tiled_mlp.function import tiled_mlp
 
-__all__ = ["MIN_AUTO_TILE_TOKENS", "TiledMLP", "auto_tile_tokens", "final_norms", "install_tiled_mlp", "is_norm", "layer_norms"]
+__all__ = [
+    "MIN_AUTO_TILE_TOKENS",
+    "TiledMLP",
+    "auto_tile_tokens",
+    "final_norms",
+    "install_tiled_mlp",
+    "is_norm",
+    "layer_norms",
+]
 
 # tile_tokens: auto never takes fewer tokens a tile: smaller matmuls run below speed
 MIN_AUTO_TILE_TOKENS = 256
