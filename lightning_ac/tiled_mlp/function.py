@@ -85,7 +85,6 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors if ctx.saved is None else ctx.saved.saved_tensors
-        ctx.saved = None
         flat = x.detach().reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
         want_x = ctx.needs_input_grad[3]
