@@ -130,10 +130,10 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
-    # the tiled MLP and norms (auto: 256 tokens, three tiles of the 2 x 320 here; in bf16, the norms' float32 copies
+    # the tiled MLP and norms (auto: 1024 tokens, three tiles of the 2 x 1100 here; in bf16, the norms' float32 copies
     # a tile at a time)
-    ("llama", {}, torch.bfloat16, LORA, "adamw", 320, ["full+tiled_mlp", "offload_hidden+chunked_loss+tiled_mlp"]),
-    ("llama", {}, torch.bfloat16, QLORA_BF16, "adamw", 320, ["offload_hidden+chunked_loss+tiled_mlp"]),
+    ("llama", {}, torch.bfloat16, LORA, "adamw", 1100, ["full+tiled_mlp", "offload_hidden+chunked_loss+tiled_mlp"]),
+    ("llama", {}, torch.bfloat16, QLORA_BF16, "adamw", 1100, ["offload_hidden+chunked_loss+tiled_mlp"]),
     # the optimizers users build: fused AdamW (no parameter-sized temporary), bitsandbytes' 8-bit AdamW (its state
     # from its own init_state), SGD with momentum
     ("llama", {}, torch.float32, FULL, "adamw_fused", 32, ["full"]),

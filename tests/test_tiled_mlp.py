@@ -107,7 +107,7 @@ def _assert_close_training(reference, run, rtol=1e-5, atol=1e-6):
     [
         ("llama", {"tiled_mlp": {"tile_tokens": 8}}),  # with full recompute
         ("qwen3", {"tiled_mlp": {"tile_tokens": 8}, "selective": True}),
-        ("gemma3_text", {"tiled_mlp": True}),  # GELU; auto tiles (hidden 64: the floor of 256 tokens, one tile)
+        ("gemma3_text", {"tiled_mlp": True}),  # GELU; auto tiles (hidden 64: the floor of 1024 tokens, one tile)
         ("llama", {"enabled": False, "tiled_mlp": {"tile_tokens": 8}}),  # the tiled MLP alone
         ("llama", {"tiled_mlp": {"tile_tokens": 8}, "chunked_loss": {"chunk_tokens": 16}}),
         ("llama", {"tiled_mlp": {"tile_tokens": 8, "norms": False}}),  # the MLP only
@@ -286,7 +286,7 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
     [
         (100_000, 4096, 4096),  # Llama-3-8B: its hidden size, a power of two, kept
         (100_000, 4097, 8192),  # rounded up to a power of two
-        (100_000, 64, 256),  # a small model: the floor of 256 tokens
+        (100_000, 64, 1024),  # a small model: the floor of 1024 tokens
         (100, 4096, 100),  # never more than the tokens there are
     ],
 )

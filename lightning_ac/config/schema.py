@@ -105,7 +105,7 @@ class TiledMLPConfig:
 
     Attributes:
         tile_tokens: Tokens per tile (``>= 1``), or ``"auto"``: as many tokens as the hidden size (rounded up to a
-            power of two, at least 256), so that a tile's intermediates (``tile x intermediate_size`` each) hold
+            power of two, at least 1024), so that a tile's intermediates (``tile x intermediate_size`` each) hold
             about as much as one MLP weight matrix, whatever the sequence length.
         norms: Tile the decoder layers' norms and the final norm too (default ``True``): once the MLP is tiled, an
             RMSNorm's float32 copies of the hidden states (its saved input, six of them in its backward) are the
