@@ -261,6 +261,52 @@ def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
     _assert_close_training(reference, run)
 
 
+class _Block(torch.nn.Module):
+    """A plain torch decoder block whose MLP is its ``ffn``."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.ffn = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.GELU(), torch.nn.Linear(32, width))
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+def test_a_plain_torch_layers_mlp_is_found_by_name_or_glob():
+    from lightning_ac import ConfigError
+    from lightning_ac.config import parse_tiled_mlp
+    from lightning_ac.tiled_mlp.install import TiledMLP, find_mlps
+
+    blocks = torch.nn.Sequential(_Block(), _Block())
+    with pytest.raises(ConfigError, match=r"_Block \(layer 0\) has no MLP to tile .*its children: norm, ffn.*"
+                       r"mlp_modules: \[NAME\]"):  # fmt: skip
+        TiledMLP(8, list(blocks))
+    with pytest.raises(ConfigError, match=r"mlp_modules: \['feed_forward'\] matched none of its submodules"):
+        find_mlps(blocks[0], 0, ["feed_forward"])
+    assert find_mlps(blocks[0], 0, ["ffn"]) == [blocks[0].ffn]
+    assert find_mlps(blocks[0], 0, ["f*"]) == [blocks[0].ffn], "a match inside a match is left to it"
+    x = torch.randn(2, 40, 16, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    want = blocks(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone(), *(p.grad.clone() for p in blocks.parameters())]
+    x.grad = None
+    blocks.zero_grad()
+    tiled = TiledMLP(8, list(blocks), mlp_modules=parse_tiled_mlp({"mlp_modules": "ffn"}).mlp_modules)
+    tiled.install()
+    try:
+        got = blocks(x)
+        got.sum().backward()
+    finally:
+        tiled.remove()
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    for g, w in zip([x.grad, *(p.grad for p in blocks.parameters())], want_grads):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert not any("forward" in m.__dict__ for m in blocks.modules())
+    with pytest.raises(ConfigError, match=r"tiled_mlp.mlp_modules: expected a list of module names or globs"):
+        parse_tiled_mlp({"mlp_modules": [""]})
+
+
 def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
     from lightning_ac import ActivationCheckpointing, ConfigError
     from lightning_ac.tiled_mlp.install import TiledMLP

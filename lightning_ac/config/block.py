@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Dict, Optional
 
 from lightning_ac.config.fields import (
@@ -136,16 +136,26 @@ def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp"
             f"{name}.norms: expected true or false, got {norms!r}. Write norms: false to tile the MLP only, or leave "
             "it out (true: the layers' norms and the final norm are tiled too)."
         )
+    mlp_modules = value.get("mlp_modules")
+    if mlp_modules is not None:
+        if isinstance(mlp_modules, str) or not isinstance(mlp_modules, Sequence):
+            mlp_modules = [mlp_modules]
+        if not mlp_modules or not all(isinstance(m, str) and m.strip() for m in mlp_modules):
+            raise ConfigError(
+                f"{name}.mlp_modules: expected a list of module names or globs relative to each layer, got "
+                f"{value.get('mlp_modules')!r}. Write mlp_modules: [ffn], or leave it out (each layer's mlp)."
+            )
+        mlp_modules = [m.strip() for m in mlp_modules]
     tokens = value.get("tile_tokens", AUTO)
     if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
-        return TiledMLPConfig(norms=norms)
+        return TiledMLPConfig(norms=norms, mlp_modules=mlp_modules)
     parse_count(
         tokens,
         f"{name}.tile_tokens",
         minimum=1,
         fix="It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default).",
     )
-    return TiledMLPConfig(tile_tokens=tokens, norms=norms)
+    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:

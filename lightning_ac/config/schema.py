@@ -110,10 +110,14 @@ class TiledMLPConfig:
         norms: Tile the decoder layers' norms and the final norm too (default ``True``): once the MLP is tiled, an
             RMSNorm's float32 copies of the hidden states (its saved input, six of them in its backward) are the
             most a recomputed layer holds at long context. ``False`` tiles the MLP only.
+        mlp_modules: Each decoder layer's MLP, by name or glob relative to the layer (``[ffn]``,
+            ``["*.feed_forward"]``), for layers that do not hold it as ``mlp``; ``None`` (the default): the layer's
+            ``mlp``, as in every transformers model.
     """
 
     tile_tokens: Any = AUTO
     norms: bool = True
+    mlp_modules: Optional[List[str]] = None
 
 
 @dataclass

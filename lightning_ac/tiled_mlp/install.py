@@ -14,6 +14,7 @@ it tiles the same way and saves only its (bf16) input.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "TiledMLP",
     "auto_tile_tokens",
     "final_norms",
+    "find_mlps",
     "install_tiled_mlp",
     "is_norm",
     "layer_norms",
@@ -74,6 +76,39 @@ def final_norms(models: Sequence[nn.Module], layers: Sequence[nn.Module]) -> Lis
     return found
 
 
+def find_mlps(layer: nn.Module, index: int, mlp_modules: Optional[Sequence[str]] = None) -> List[nn.Module]:
+    """The MLPs of ``layer`` to tile, checked: its ``mlp`` (transformers' layers), or with ``mlp_modules`` each of its
+    submodules whose name relative to the layer matches one of those names or globs (``ffn``, ``*.feed_forward``);
+    a match inside another match is left to it."""
+    field = "activation_checkpointing.tiled_mlp"
+    if mlp_modules is None:
+        mlp = getattr(layer, "mlp", None)
+        found = [("mlp", mlp)] if isinstance(mlp, nn.Module) else []
+        where = "the suite finds a transformers layer's MLP as its `mlp`"
+    else:
+        found = []
+        for name, module in layer.named_modules():
+            inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+            if name and not inside and any(fnmatch.fnmatchcase(name, pattern) for pattern in mlp_modules):
+                found.append((name, module))
+        where = f"mlp_modules: {list(mlp_modules)} matched none of its submodules"
+    if not found:
+        names = ", ".join(name for name, _ in layer.named_children())
+        raise ConfigError(
+            f"{field}: {type(layer).__name__} (layer {index}) has no MLP to tile ({where}; its children: {names}). "
+            "Name the MLP with tiled_mlp: {mlp_modules: [NAME]} (a name or glob relative to the layer), or set "
+            "tiled_mlp: false."
+        )
+    for name, mlp in found:
+        if _sparse(mlp):
+            raise ConfigError(
+                f"{field}: layer {index}'s {name} is a sparse mixture of experts ({type(mlp).__name__}): its router "
+                "sends each token to some experts and adds an auxiliary loss, which a tile at a time would not "
+                "reproduce. Set tiled_mlp: false."
+            )
+    return [mlp for _, mlp in found]
+
+
 def _sparse(mlp: nn.Module) -> bool:
     """A sparse mixture of experts: a router sends each token to some experts (and adds an auxiliary loss)."""
     name = type(mlp).__name__.lower()
@@ -88,9 +123,11 @@ class TiledMLP:
         layers: The decoder layers, each with its MLP as ``mlp``.
         noun: What the layers are called in messages (``decoder layers``).
         norms: The norms to tile too (:func:`layer_norms`, :func:`final_norms`).
+        mlp_modules: The names or globs of each layer's MLP modules, relative to the layer (:func:`find_mlps`);
+            ``None``: the layer's ``mlp``.
 
     Raises:
-        ConfigError: If a layer has no ``mlp`` module, or its MLP is a sparse mixture of experts (its router and
+        ConfigError: If a layer has no MLP to tile, or its MLP is a sparse mixture of experts (its router and
             auxiliary loss are not tiled).
     """
 
@@ -100,30 +137,13 @@ class TiledMLP:
         layers: Sequence[nn.Module],
         noun: str = "decoder layers",
         norms: Sequence[nn.Module] = (),
+        mlp_modules: Optional[Sequence[str]] = None,
     ) -> None:
         self.tile_tokens = tile_tokens
-        self.mlps = [self.find(layer, index) for index, layer in enumerate(layers)]
+        self.mlps = [mlp for index, layer in enumerate(layers) for mlp in find_mlps(layer, index, mlp_modules)]
         self.norms = list(norms)
         self.noun = noun
         self._saved: Dict[int, Any] = {}
-
-    @staticmethod
-    def find(layer: nn.Module, index: int) -> nn.Module:
-        """The MLP of ``layer`` (its ``mlp``), checked."""
-        fix = "Set tiled_mlp: false."
-        mlp = getattr(layer, "mlp", None)
-        if not isinstance(mlp, nn.Module):
-            raise ConfigError(
-                f"activation_checkpointing.tiled_mlp: {type(layer).__name__} (layer {index}) has no mlp module to "
-                f"tile (the suite finds a transformers layer's MLP as its `mlp`). {fix}"
-            )
-        if _sparse(mlp):
-            raise ConfigError(
-                f"activation_checkpointing.tiled_mlp: layer {index}'s mlp is a sparse mixture of experts "
-                f"({type(mlp).__name__}): its router sends each token to some experts and adds an auxiliary loss, "
-                f"which a tile at a time would not reproduce. {fix}"
-            )
-        return mlp
 
     def install(self) -> None:
         for module in self.modules:
@@ -176,6 +196,6 @@ def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
     if config.norms:
         norms = [norm for layer in layers.modules for norm in layer_norms(layer)]
         norms += final_norms(layers.hf_models, layers.modules)
-    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms)
+    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms, config.mlp_modules)
     tiled.install()
     return tiled
