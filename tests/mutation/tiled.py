@@ -107,6 +107,16 @@ MUTANTS += [
     ),
 ]
 
+MUTANTS += [
+    Mutant(
+        INSTALL,
+        "if name and not inside and any(fnmatch.fnmatchcase(name, pattern) for pattern in mlp_modules):",
+        "if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in mlp_modules):",
+        "a glob matching an MLP and its submodules tiles both: the MLP's linears run tiled inside tiles",
+        (f"{T}::test_a_plain_torch_layers_mlp_is_found_by_name_or_glob",),
+    ),
+]
+
 EQUIVALENT: List[Equivalent] = [
     Equivalent(
         FUNCTION,
