@@ -110,21 +110,22 @@ def parse_chunked_loss(value: Any, name: str = "activation_checkpointing.chunked
     if not isinstance(value, Mapping):
         return value
     reject_unknown(value, CHUNKED_LOSS_FIELDS, name)
-    tokens = value.get("chunk_tokens", AUTO)
+    fix = "It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default)."
+    return ChunkedLossConfig(chunk_tokens=_tokens_or_auto(value, "chunk_tokens", name, fix))
+
+
+def _tokens_or_auto(value: Mapping, key: str, name: str, fix: str) -> Any:
+    """``value[key]``: a count of tokens (``>= 1``), or ``auto`` (also when absent)."""
+    tokens = value.get(key, AUTO)
     if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
-        return ChunkedLossConfig()
-    parse_count(
-        tokens,
-        f"{name}.chunk_tokens",
-        minimum=1,
-        fix="It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default).",
-    )
-    return ChunkedLossConfig(chunk_tokens=tokens)
+        return AUTO
+    parse_count(tokens, f"{name}.{key}", minimum=1, fix=fix)
+    return tokens
 
 
 def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp") -> Optional[TiledMLPConfig]:
     """The ``tiled_mlp`` field: ``false``/``None`` (off), ``true`` (``tile_tokens: auto``) or a mapping
-    ``{tile_tokens: N}``."""
+    ``{tile_tokens: N | auto, norms: true | false, mlp_modules: [NAME, ...]}``."""
     example = "Write tiled_mlp: true (tile_tokens: auto), or tiled_mlp: {tile_tokens: 4096}."
     value = parse_switch_or_mapping(value, name, TiledMLPConfig, example)
     if not isinstance(value, Mapping):
@@ -146,15 +147,8 @@ def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp"
                 f"{value.get('mlp_modules')!r}. Write mlp_modules: [ffn], or leave it out (each layer's mlp)."
             )
         mlp_modules = [m.strip() for m in mlp_modules]
-    tokens = value.get("tile_tokens", AUTO)
-    if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
-        return TiledMLPConfig(norms=norms, mlp_modules=mlp_modules)
-    parse_count(
-        tokens,
-        f"{name}.tile_tokens",
-        minimum=1,
-        fix="It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default).",
-    )
+    fix = "It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default)."
+    tokens = _tokens_or_auto(value, "tile_tokens", name, fix)
     return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules)
 
 
