@@ -39,6 +39,12 @@ def mode_label(block: Any, choice: str, from_legacy_keys: bool) -> str:
     the block came from. A legacy key such as ``gradient_checkpointing: true`` under the default ``off`` option
     is labelled by what it does (``full``), not by the option it replaced."""
     resolved = config_to_dict(block)
+    tiled = resolved.get("tiled_mlp")
+    if tiled is not None:  # a setting of any mode too
+        tokens = tiled["tile_tokens"]
+        label = mode_label(dataclasses.replace(block, tiled_mlp=None), choice, from_legacy_keys)
+        details = ([] if tokens == AUTO else [f"{tokens} tokens"]) + ([] if tiled.get("norms", True) else ["MLP only"])
+        return f"{label} + tiled_mlp" + (f" ({', '.join(details)})" if details else "")
     chunked = resolved.get("chunked_loss")
     if chunked is not None:  # a setting of any mode: the mode's name, and the chunks
         tokens = chunked["chunk_tokens"]

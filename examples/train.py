@@ -91,6 +91,7 @@ class BlockSchema:
     budget: Any = None
     chunked_loss: Any = None
     budget_first_plan: Any = "measure"
+    tiled_mlp: Any = None
 
 
 # Every activation_checkpointing option extends this schema, so any field can be overridden on any option.

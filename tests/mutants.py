@@ -1,7 +1,7 @@
 """Mutation check: small, plausible bugs put into a copy of the package, one at a time; the tests must catch each.
 
     python tests/mutants.py                      # every part; exits 1 if any mutant survives
-    python tests/mutants.py --part loss budget   # some parts (sync, loss, budget, measure, estimate)
+    python tests/mutants.py --part loss budget   # some parts (sync, loss, budget, measure, estimate, tiled)
     python tests/mutants.py --list               # the mutants (and the equivalent changes), without running them
     python tests/mutants.py --only "backward"    # the mutants whose description holds this text
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from mutation import Equivalent, Mutant  # noqa: E402
 from mutation.sync import find_mutants as find_sync_mutants  # noqa: E402
 
-PARTS = ("sync", "loss", "budget", "measure", "estimate")
+PARTS = ("sync", "loss", "budget", "measure", "estimate", "tiled")
 COPIED = ("lightning_ac", "tests", "conf", "examples", "pyproject.toml", "README.md")
 TIMEOUT_S = 900  # a mutant that hangs (a wait that never returns) counts as killed after this
 SIMULATED = ("-m", "simulated")

@@ -45,13 +45,13 @@ def test_ddp_two_processes_train_exactly_as_without_the_suite(tmp_path):
 
 def test_fsdp2_implementation_and_selective_under_fully_shard(tmp_path):
     result, rows = run_two_ranks("fsdp_parity.py", tmp_path)
-    modes = ["fsdp", "fsdp_selective", "fsdp_selective_offload", "hf_selective", "hf_chunked"]
+    modes = ["fsdp", "fsdp_selective", "fsdp_selective_offload", "hf_selective", "hf_chunked", "hf_tiled"]
     assert sorted((r["mode"], r["rank"]) for r in rows) == sorted((m, rank) for m in modes for rank in (0, 1))
     for row in rows:
         assert row["same"], f"{row['mode']}: loss and gradients match an unmodified FSDP2 run"
         assert not row["left_behind"], "nothing of ours remains on the layers after fit"
         # full recompute replays each of the 4 layers' attention; selective saves it, under either wrapper
-        assert row["attention_replayed"] == (4 if row["mode"] in ("fsdp", "hf_chunked") else 0), row
+        assert row["attention_replayed"] == (4 if row["mode"] in ("fsdp", "hf_chunked", "hf_tiled") else 0), row
     # each layer's input, and what the policy saves (SDPA's output and log-sum-exp), move to the host
     offloaded = [r["offloaded"] for r in rows if r["mode"] == "fsdp_selective_offload"]
     assert offloaded == [{"hidden_states": 4, "selective": 8, "all": 0}] * 2

@@ -36,6 +36,9 @@ LORA = Training(4, tuple(ALL_LINEARS))
 FULL = Training(None)
 QLORA = Training(4, ("q_proj", "v_proj"), qlora=True)
 QLORA_AS_LOADED = Training(4, ("q_proj", "v_proj"), qlora=True, qlora_prepared=False)
+# the longest-context recipe in small: the 4-bit model as loaded, LoRA on every linear, the adapters in bf16
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QLORA_BF16 = Training(4, ALL_LINEARS, qlora=True, qlora_prepared=False, adapter_dtype="bfloat16")
 QLORA_DOUBLE_FP4 = Training(4, ("q_proj", "v_proj"), qlora=True, double_quant=True, quant_type="fp4")
 BF16_MIXED = precision_for("bf16-mixed")
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
@@ -99,7 +102,12 @@ def _qlora_model(config, dtype, training):
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     rank = training.lora_rank
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(config, training))
-    return get_peft_model(model, lora).train()
+    model = get_peft_model(model, lora).train()
+    if training.adapter_dtype:  # the adapters cast by hand, as a user casts them (PEFT makes them float32)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(getattr(torch, training.adapter_dtype))
+    return model
 
 
 def _quant_state_bytes(module) -> int:
@@ -122,6 +130,10 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
+    # the tiled MLP and norms (auto: 1024 tokens, three tiles of the 2 x 1100 here; in bf16, the norms' float32 copies
+    # a tile at a time)
+    ("llama", {}, torch.bfloat16, LORA, "adamw", 1100, ["full+tiled_mlp", "offload_hidden+chunked_loss+tiled_mlp"]),
+    ("llama", {}, torch.bfloat16, QLORA_BF16, "adamw", 1100, ["offload_hidden+chunked_loss+tiled_mlp"]),
     # the optimizers users build: fused AdamW (no parameter-sized temporary), bitsandbytes' 8-bit AdamW (its state
     # from its own init_state), SGD with momentum
     ("llama", {}, torch.float32, FULL, "adamw_fused", 32, ["full"]),
@@ -173,6 +185,7 @@ def _case_id(case) -> str:
     if training.qlora:
         kind += ("" if training.qlora_prepared else "-as-loaded") + ("-double" if training.double_quant else "")
         kind += "" if training.quant_type == "nf4" else f"-{training.quant_type}"
+        kind += f"-adapters-{training.adapter_dtype}" if training.adapter_dtype else ""
     loss = "" if training.loss == "causal_lm" else f"-{training.loss}"
     dtype = dtype.name if isinstance(dtype, Precision) else str(dtype)[6:]
     return f"{family}-{dtype}-{kind}{loss}-{optimizer}-{seq}"
@@ -596,6 +609,8 @@ def test_out_writes_the_table_the_json_and_a_plot_of_every_length_a_step_ran_at(
         (["--seq", "16", "--seq-step", "-1"], "--seq-step -1"),
         (["--seq", "16", "--qlora", "--full-finetune"], "--qlora with --full-finetune: QLoRA trains LoRA adapters"),
         (["--seq", "16", "--loss", "mean"], "--loss: invalid choice: 'mean'"),
+        (["--seq", "16", "--full-finetune", "--adapter-dtype", "bfloat16"], "--adapter-dtype with --full-finetune"),
+        (["--seq", "16", "--adapter-dtype", "int8"], "--adapter-dtype: invalid choice: 'int8'"),
         (["--seq", "16", "--devices", "8"], "--devices 8 on one device (no --strategy): say how the 8 ranks share"),
         (["--seq", "16", "--strategy", "fsdp"], "--strategy fsdp on 1 device: a world of one rank is one device"),
         (["--seq", "16", "--strategy", "ddp", "--devices", "0"], "--devices 0: expected a whole number of ranks"),

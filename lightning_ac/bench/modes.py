@@ -216,6 +216,8 @@ CHUNKED_MODES: Dict[str, Any] = {
 # auto's floor (128 tokens a chunk; the hidden states' size would be 16.4 tokens here) against the chunks it would
 # take without the floor: smaller, slower matmuls for 3 MiB less
 CHUNKED_MODES["full_chunked_32"] = {"enabled": True, "chunked_loss": {"chunk_tokens": 32}}
+# with the tiled MLP (and norms) too: what the longest contexts train with, against full_chunked's step time
+CHUNKED_MODES["full_chunked_tiled"] = {"enabled": True, "chunked_loss": True, "tiled_mlp": True}
 FLOOR_MODES: Dict[str, Any] = {"full_no_head": SUITE_MODES["full"]}
 HEAD_ANCHORS: Dict[str, Callable[[nn.Module], None]] = {"torchtune_chunked_ce": _torchtune_chunked}
 # The training loss of the modes that do not take the model's own (``model(input_ids, labels=...).loss``)

@@ -39,6 +39,7 @@ VOCAB_MODES: List[str] = [
     "full",
     "full_chunked",
     "full_chunked_32",
+    "full_chunked_tiled",
     "selective_attn",
     "selective_attn_chunked",
     "full_no_head",
@@ -53,6 +54,8 @@ VOCAB_GOALS: List[Goal] = [
     Goal("full_chunked", "peak", "full", 0.2),
     Goal("full_chunked", "peak", "full_no_head", 1.3),
     Goal("full_chunked", "step", "full", 1.05),
+    Goal("full_chunked_tiled", "peak", "full_chunked", 1.0),
+    Goal("full_chunked_tiled", "step", "full_chunked", 1.05),
 ]
 
 PRESETS: Dict[str, Dict[str, Any]] = {

@@ -59,7 +59,14 @@ class ActivationCheckpointing(SuiteCallback):
             states, at least 128 tokens) or ``{"chunk_tokens": N}`` (:class:`~lightning_ac.config.ChunkedLossConfig`).
             In those forwards the output's ``logits`` is ``None``. Applies with ``enabled=False`` too. See
             :mod:`lightning_ac.loss`.
-        enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` is what the callback does).
+        tiled_mlp: Run each decoder layer's MLP a tile of tokens at a time, saving only its input: in the backward
+            each tile is recomputed and backpropagated at once, so the whole sequence's MLP intermediates (each
+            ``tokens x intermediate_size``) never exist. ``True`` (``tile_tokens: auto``: tiles of the hidden size's
+            tokens, at least 256) or ``{"tile_tokens": N}`` (:class:`~lightning_ac.config.TiledMLPConfig`). The MLP is
+            the layer's ``mlp``; a sparse mixture of experts is refused. Applies with ``enabled=False`` too. See
+            :mod:`lightning_ac.tiled_mlp`.
+        enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` and ``tiled_mlp`` are what the callback
+            does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
             offloaded where (rich when installed, plain text otherwise).
         prog_bar: Show ``lightning_ac/peak_memory_bytes`` (logged each step on CUDA) in the progress bar.
@@ -87,6 +94,7 @@ class ActivationCheckpointing(SuiteCallback):
         chunked_loss: Union[bool, Mapping[str, Any], None] = None,
         enabled: bool = True,
         budget_first_plan: str = "measure",
+        tiled_mlp: Union[bool, Mapping[str, Any], None] = None,
         verbose: bool = False,
         prog_bar: bool = False,
     ) -> None:
@@ -100,6 +108,7 @@ class ActivationCheckpointing(SuiteCallback):
             chunked_loss=chunked_loss,
             enabled=enabled,
             budget_first_plan=budget_first_plan,
+            tiled_mlp=tiled_mlp,
         )
         super().__init__(request, verbose=verbose, prog_bar=prog_bar)
 

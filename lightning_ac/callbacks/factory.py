@@ -81,7 +81,8 @@ def callbacks_from_config(
         )
     # the block was validated above and the arguments here: the callbacks take their requests as they are
     callbacks: List[Callback] = []
-    if cfg.enabled or cfg.chunked_loss is not None:  # without recompute, the chunked loss is all it does
+    # without recompute, the chunked loss and the tiled MLP are all it does
+    if cfg.enabled or cfg.chunked_loss is not None or cfg.tiled_mlp is not None:
         checkpointing = CheckpointingRequest.from_config(cfg)
         callbacks.append(ActivationCheckpointing.from_request(checkpointing, verbose=verbose))
     if cfg.offload.targets:

@@ -12,7 +12,13 @@ dataclasses double as Hydra structured configs, so the fields that accept severa
 targets) are typed ``Any`` for OmegaConf and normalised by the parsers.
 """
 
-from lightning_ac.config.block import check_block_key, config_to_dict, parse_chunked_loss, parse_config
+from lightning_ac.config.block import (
+    check_block_key,
+    config_to_dict,
+    parse_chunked_loss,
+    parse_config,
+    parse_tiled_mlp,
+)
 from lightning_ac.config.fields import (
     parse_bool,
     parse_budget,
@@ -42,6 +48,7 @@ from lightning_ac.config.schema import (
     OffloadConfig,
     Placement,
     SelectiveConfig,
+    TiledMLPConfig,
 )
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "CHECKPOINT_KWARGS",
     "CheckpointingRequest",
     "ChunkedLossConfig",
+    "TiledMLPConfig",
     "ConfigError",
     "IMPLEMENTATIONS",
     "LayerOffloadRequest",
@@ -67,6 +75,7 @@ __all__ = [
     "parse_bool",
     "parse_budget",
     "parse_chunked_loss",
+    "parse_tiled_mlp",
     "parse_config",
     "parse_count",
     "parse_first_plan",

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Dict, Optional
 
 from lightning_ac.config.fields import (
@@ -32,14 +32,23 @@ from lightning_ac.config.schema import (
     OFFLOAD_TARGETS,
     SELECTIVE_FIELDS,
     SET_BY_US,
+    TILED_MLP_FIELDS,
     ActivationCheckpointingConfig,
     ChunkedLossConfig,
     ConfigError,
     OffloadConfig,
     SelectiveConfig,
+    TiledMLPConfig,
 )
 
-__all__ = ["check_block_key", "config_to_dict", "mark_validated", "parse_chunked_loss", "parse_config"]
+__all__ = [
+    "check_block_key",
+    "config_to_dict",
+    "mark_validated",
+    "parse_chunked_loss",
+    "parse_config",
+    "parse_tiled_mlp",
+]
 
 
 # Set on configs that parse_config returned, so that passing one on (the Hydra job hands its parsed block to
@@ -101,16 +110,46 @@ def parse_chunked_loss(value: Any, name: str = "activation_checkpointing.chunked
     if not isinstance(value, Mapping):
         return value
     reject_unknown(value, CHUNKED_LOSS_FIELDS, name)
-    tokens = value.get("chunk_tokens", AUTO)
+    fix = "It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default)."
+    return ChunkedLossConfig(chunk_tokens=_tokens_or_auto(value, "chunk_tokens", name, fix))
+
+
+def _tokens_or_auto(value: Mapping, key: str, name: str, fix: str) -> Any:
+    """``value[key]``: a count of tokens (``>= 1``), or ``auto`` (also when absent)."""
+    tokens = value.get(key, AUTO)
     if isinstance(tokens, str) and tokens.strip().lower() == AUTO:
-        return ChunkedLossConfig()
-    parse_count(
-        tokens,
-        f"{name}.chunk_tokens",
-        minimum=1,
-        fix="It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default).",
-    )
-    return ChunkedLossConfig(chunk_tokens=tokens)
+        return AUTO
+    parse_count(tokens, f"{name}.{key}", minimum=1, fix=fix)
+    return tokens
+
+
+def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp") -> Optional[TiledMLPConfig]:
+    """The ``tiled_mlp`` field: ``false``/``None`` (off), ``true`` (``tile_tokens: auto``) or a mapping
+    ``{tile_tokens: N | auto, norms: true | false, mlp_modules: [NAME, ...]}``."""
+    example = "Write tiled_mlp: true (tile_tokens: auto), or tiled_mlp: {tile_tokens: 4096}."
+    value = parse_switch_or_mapping(value, name, TiledMLPConfig, example)
+    if not isinstance(value, Mapping):
+        return value
+    reject_unknown(value, TILED_MLP_FIELDS, name)
+    norms = value.get("norms", True)
+    if not isinstance(norms, bool):
+        raise ConfigError(
+            f"{name}.norms: expected true or false, got {norms!r}. Write norms: false to tile the MLP only, or leave "
+            "it out (true: the layers' norms and the final norm are tiled too)."
+        )
+    mlp_modules = value.get("mlp_modules")
+    if mlp_modules is not None:
+        if isinstance(mlp_modules, str) or not isinstance(mlp_modules, Sequence):
+            mlp_modules = [mlp_modules]
+        if not mlp_modules or not all(isinstance(m, str) and m.strip() for m in mlp_modules):
+            raise ConfigError(
+                f"{name}.mlp_modules: expected a list of module names or globs relative to each layer, got "
+                f"{value.get('mlp_modules')!r}. Write mlp_modules: [ffn], or leave it out (each layer's mlp)."
+            )
+        mlp_modules = [m.strip() for m in mlp_modules]
+    fix = "It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default)."
+    tokens = _tokens_or_auto(value, "tile_tokens", name, fix)
+    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:
@@ -232,6 +271,7 @@ def _parse_block(value: Any) -> ActivationCheckpointingConfig:
         offload=_parse_offload(value.get("offload")),
         budget=parse_budget(value.get("budget"), "activation_checkpointing.budget"),
         chunked_loss=parse_chunked_loss(value.get("chunked_loss")),
+        tiled_mlp=parse_tiled_mlp(value.get("tiled_mlp")),
         budget_first_plan=parse_first_plan(
             value.get("budget_first_plan"), f"activation_checkpointing.{FIRST_PLAN_FIELD}"
         ),

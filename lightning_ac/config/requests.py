@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from lightning_ac.config.block import mark_validated, parse_chunked_loss, parse_config
+from lightning_ac.config.block import mark_validated, parse_chunked_loss, parse_config, parse_tiled_mlp
 from lightning_ac.config.fields import (
     expected_error,
     parse_bool,
@@ -68,6 +68,7 @@ class CheckpointingRequest:
         chunked_loss: Any = None,
         enabled: Any = True,
         budget_first_plan: Any = None,
+        tiled_mlp: Any = None,
     ) -> CheckpointingRequest:
         """Validate ``ActivationCheckpointing``'s arguments with the block's own rules."""
         layers = parse_layers(layers, "ActivationCheckpointing(layers=...)")
@@ -78,6 +79,7 @@ class CheckpointingRequest:
         given_budget = budget
         budget = parse_budget(budget, "ActivationCheckpointing(budget=...)")
         chunked = parse_chunked_loss(chunked_loss, "ActivationCheckpointing(chunked_loss=...)")
+        tiled = parse_tiled_mlp(tiled_mlp, "ActivationCheckpointing(tiled_mlp=...)")
         enabled = parse_bool(enabled, "ActivationCheckpointing(enabled=...)")
         recompute_only = {
             "implementation": implementation if implementation != "hf" else None,
@@ -98,13 +100,14 @@ class CheckpointingRequest:
                 f"{'it' if len(ignored) == 1 else 'they'} would do nothing. Remove {', '.join(ignored)}, or set "
                 "enabled=True (the default) to recompute."
             )
-        if not enabled and chunked is None:
+        if not enabled and chunked is None and tiled is None:
             raise ConfigError(
-                "ActivationCheckpointing(enabled=False) recomputes no decoder layer, and without chunked_loss it would "
-                "do nothing. Pass chunked_loss=True to compute the loss in chunks only, or remove the callback."
+                "ActivationCheckpointing(enabled=False) recomputes no decoder layer, and without chunked_loss or "
+                "tiled_mlp it would do nothing. Pass chunked_loss=True to compute the loss in chunks only, or "
+                "tiled_mlp=True to run each MLP a tile of tokens at a time, or remove the callback."
             )
         block = {"implementation": implementation, "reentrant": reentrant, "kwargs": kwargs, "selective": selective}
-        block = {**block, "budget": budget, "chunked_loss": chunked, "enabled": enabled}
+        block = {**block, "budget": budget, "chunked_loss": chunked, "enabled": enabled, "tiled_mlp": tiled}
         first_plan = parse_first_plan(budget_first_plan, f"ActivationCheckpointing({FIRST_PLAN_FIELD}=...)")
         block[FIRST_PLAN_FIELD] = first_plan
         return cls(parse_config(block), layers)

@@ -38,8 +38,9 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
             ignored.append("budget")
         if ignored:
             raise ConfigError(
-                f"activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all and "
-                f"chunked_loss apply, but {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set. "
+                "activation_checkpointing: enabled is false, so nothing is recomputed and only offload.all, "
+                f"chunked_loss and tiled_mlp apply, but {', '.join(ignored)} "
+                f"{'is' if len(ignored) == 1 else 'are'} set. "
                 "Set enabled: true to recompute decoder layers, or remove "
                 f"{', '.join(i.split(':')[0] for i in ignored)}."
             )

@@ -30,6 +30,8 @@ __all__ = [
     "SELECTIVE_FIELDS",
     "SET_BY_US",
     "SelectiveConfig",
+    "TILED_MLP_FIELDS",
+    "TiledMLPConfig",
 ]
 
 
@@ -98,6 +100,27 @@ class ChunkedLossConfig:
 
 
 @dataclass
+class TiledMLPConfig:
+    """Each decoder layer's MLP a tile of tokens at a time (:mod:`lightning_ac.tiled_mlp`).
+
+    Attributes:
+        tile_tokens: Tokens per tile (``>= 1``), or ``"auto"``: as many tokens as the hidden size (rounded up to a
+            power of two, at least 1024), so that a tile's intermediates (``tile x intermediate_size`` each) hold
+            about as much as one MLP weight matrix, whatever the sequence length.
+        norms: Tile the decoder layers' norms and the final norm too (default ``True``): once the MLP is tiled, an
+            RMSNorm's float32 copies of the hidden states (its saved input, six of them in its backward) are the
+            most a recomputed layer holds at long context. ``False`` tiles the MLP only.
+        mlp_modules: Each decoder layer's MLP, by name or glob relative to the layer (``[ffn]``,
+            ``["*.feed_forward"]``), for layers that do not hold it as ``mlp``; ``None`` (the default): the layer's
+            ``mlp``, as in every transformers model.
+    """
+
+    tile_tokens: Any = AUTO
+    norms: bool = True
+    mlp_modules: Optional[List[str]] = None
+
+
+@dataclass
 class OffloadConfig:
     """Where each offload target's tensors go: ``none`` (default) or ``cpu``; ``true``/``false`` mean cpu/none.
 
@@ -140,6 +163,7 @@ class ActivationCheckpointingConfig:
     budget: Any = None
     chunked_loss: Optional[ChunkedLossConfig] = None
     budget_first_plan: str = "measure"
+    tiled_mlp: Optional[TiledMLPConfig] = None
 
     @property
     def use_reentrant(self) -> bool:
@@ -189,6 +213,8 @@ BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationCheckpointingC
 SELECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SelectiveConfig))
 
 CHUNKED_LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkedLossConfig))
+
+TILED_MLP_FIELDS = tuple(f.name for f in dataclasses.fields(TiledMLPConfig))
 
 # The offload targets, in the order messages, metrics and reports list them.
 OFFLOAD_TARGETS = tuple(f.name for f in dataclasses.fields(OffloadConfig))

@@ -157,6 +157,7 @@ def estimate(
     quant_type: str = "nf4",
     strategy: Optional[str] = None,
     devices: Optional[int] = None,
+    adapter_dtype: Optional[str] = None,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -211,6 +212,9 @@ def estimate(
             a layer's parameters as it runs); every figure is then one rank's, at the per-rank ``batch``
             (:mod:`~lightning_ac.estimate.ranks`). ``None``: one device.
         devices: The number of ranks, with ``strategy``.
+        adapter_dtype: LoRA's adapters in this dtype (``bfloat16``: all of the step computes in bf16, the adapters
+            too); ``None``: as PEFT makes them (float32 on a 4-bit or half-precision base, each adapted linear then
+            saving a float32 copy of its input).
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -244,6 +248,7 @@ def estimate(
         qlora_prepared=not qlora_as_loaded,
         double_quant=double_quant,
         quant_type=quant_type,
+        adapter_dtype=adapter_dtype,
     )
     ranks = ranks_for(strategy, devices)
     if ranks.sharded and training.qlora:

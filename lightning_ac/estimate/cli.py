@@ -22,7 +22,7 @@ from lightning_ac.estimate import (
     presets,
 )
 from lightning_ac.estimate.attention import ATTENTIONS
-from lightning_ac.estimate.models import LOSSES, parse_set
+from lightning_ac.estimate.models import ADAPTER_DTYPES, LOSSES, parse_set
 from lightning_ac.estimate.render import markdown
 
 __all__ = ["main", "parser"]
@@ -103,6 +103,13 @@ def parser() -> argparse.ArgumentParser:
         "--qlora-as-loaded",
         action="store_true",
         help="in place of --qlora: the 4-bit model as loaded, for runs that skip prepare_model_for_kbit_training",
+    )
+    p.add_argument(
+        "--adapter-dtype",
+        choices=ADAPTER_DTYPES,
+        default=None,
+        help="LoRA's adapters in this dtype (default: as PEFT makes them, float32 on a 4-bit or half-precision base, "
+        "each adapted linear then saving a float32 copy of its input); bfloat16: the adapters compute in bf16 too",
     )
     p.add_argument("--double-quant", action="store_true", help="with --qlora: bnb_4bit_use_double_quant")
     p.add_argument("--quant-type", choices=("nf4", "fp4"), default="nf4", help="with --qlora: default nf4")
@@ -235,6 +242,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             qlora=args.qlora or args.qlora_as_loaded,
             qlora_as_loaded=args.qlora_as_loaded,
             double_quant=args.double_quant,
+            adapter_dtype=args.adapter_dtype,
             quant_type=args.quant_type,
             loss=args.loss,
             first_step=args.first_step,

@@ -141,6 +141,9 @@ LOSSES = ("causal_lm", "last_logit_mean")
 QUANT_TYPES = ("nf4", "fp4")
 
 
+ADAPTER_DTYPES = ("bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class Training:
     """What trains, and on what loss.
@@ -161,6 +164,9 @@ class Training:
             as loaded.
         double_quant: With ``qlora``: ``bnb_4bit_use_double_quant`` (the absmax quantized to 8 bits).
         quant_type: With ``qlora``: ``nf4`` or ``fp4`` (the same bytes).
+        adapter_dtype: LoRA's adapters in this dtype (``bfloat16``, ``float16``, ``float32``); ``None``: as PEFT
+            makes them (float32 adapters on a 4-bit or fp16/bf16 base: each adapted linear then saves a float32 copy
+            of its input).
     """
 
     lora_rank: Optional[int] = 16
@@ -171,6 +177,7 @@ class Training:
     qlora_prepared: bool = True
     double_quant: bool = False
     quant_type: str = "nf4"
+    adapter_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -181,6 +188,13 @@ class Training:
             raise EstimateError(
                 "--double-quant and --quant-type describe the 4-bit base of a QLoRA run: add --qlora (or "
                 "--qlora-as-loaded)"
+            )
+        if self.adapter_dtype is not None and self.adapter_dtype not in ADAPTER_DTYPES:
+            raise EstimateError(f"--adapter-dtype {self.adapter_dtype}: choose from {', '.join(ADAPTER_DTYPES)}")
+        if self.adapter_dtype is not None and self.full_finetune:
+            raise EstimateError(
+                "--adapter-dtype with --full-finetune: the adapters' dtype is LoRA's; a full fine-tune trains the "
+                "weights in their own dtype. Use --lora R, or leave --adapter-dtype out."
             )
         if self.qlora and self.full_finetune:
             raise EstimateError(
@@ -198,6 +212,7 @@ class Training:
         else:
             shown = f" ({', '.join(targets)})" if targets else ""
             text = f"{self._qlora_text() if self.qlora else 'lora'} r={self.lora_rank}{shown}"
+            text += f", adapters in {self.adapter_dtype}" if self.adapter_dtype else ""
         text = text if self.loss == "causal_lm" else f"{text}, loss {self.loss}"
         return f"{text}, a first step (no gradients before it)" if self.first_step else text
 
@@ -223,7 +238,8 @@ def lora_targets(config: Any, training: Training) -> List[str]:
 def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any = "meta") -> nn.Module:
     """The causal LM for ``config`` on ``device`` (the estimate's: meta) in ``dtype``, with LoRA adapters (PEFT,
     trainable, the rest frozen) or every parameter trainable. PEFT keeps fp16/bf16 adapters in float32, as it does by
-    default. The tests build the real model they measure with it, on the CPU."""
+    default, unless ``training.adapter_dtype`` says otherwise. The tests build the real model they measure with it, on
+    the CPU."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -248,11 +264,21 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
     lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, target_modules=targets)
     try:
         with torch.device(device):
-            return get_peft_model(model, lora)
+            return adapters_in(get_peft_model(model, lora), training.adapter_dtype)
     except ValueError as err:
         raise EstimateError(
             f"LoRA on {config.model_type}: {err}. Name the modules to adapt (lora_targets=[...], --lora-targets)"
         ) from err
+
+
+def adapters_in(model: nn.Module, dtype: Optional[str]) -> nn.Module:
+    """``model`` (a PEFT model, LoRA's adapters its only trainable parameters) with the adapters cast to ``dtype``
+    (unchanged when ``None``)."""
+    if dtype is not None:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(getattr(torch, dtype))
+    return model
 
 
 def describe(config: Any, model: nn.Module) -> str:

@@ -1,5 +1,5 @@
 """The modes an estimate runs: the benchmark's mode table (one definition of the modes, used by both), and
-``chunked_loss`` as one more setting of any of them (``full+chunked_loss``).
+``chunked_loss`` and ``tiled_mlp`` as settings of any of them (``full+chunked_loss``, ``full+chunked_loss+tiled_mlp``).
 
 The benchmark's budget rows place a budget between two measured peaks and settle over several steps; an estimate's
 ``budget`` is the plan for a device instead (:mod:`lightning_ac.estimate.budget`), outside this table. The benchmark's
@@ -13,9 +13,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from lightning_ac.estimate.models import EstimateError
 
-__all__ = ["CHUNKED", "Mode", "default_modes", "known_modes", "resolve_modes"]
+__all__ = ["CHUNKED", "Mode", "SETTINGS", "TILED", "default_modes", "known_modes", "resolve_modes"]
 
 CHUNKED = "chunked_loss"
+TILED = "tiled_mlp"
+SETTINGS = (CHUNKED, TILED)  # what a mode name takes after "+", each at most once
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,14 @@ def default_modes(full_finetune: bool, sharded: bool = False) -> List[str]:
     return [m.name for m in _table().values() if streams or m.layer_offload is None]
 
 
-def _with_chunked(block: Any) -> Any:
+def _with(block: Any, settings: Sequence[str]) -> Any:
+    """``block`` with each of ``settings`` (``chunked_loss``, ``tiled_mlp``) on."""
+    on = {setting: True for setting in settings}
     if block is False:
-        return {"enabled": False, "chunked_loss": True}
+        return {"enabled": False, **on}
     if block is True:
-        return {"chunked_loss": True}
-    return {**block, "chunked_loss": True}
+        return on
+    return {**block, **on}
 
 
 def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool, sharded: bool = False) -> List[Mode]:
@@ -79,10 +83,11 @@ def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool, sharded: 
     names = [n for n in names if n != CHUNKED] or (default_modes(full_finetune, sharded) if chunk_all else [])
     modes: List[Mode] = []
     for name in names:
-        base, _, setting = name.partition("+")
-        if base not in table or setting not in ("", CHUNKED):
+        base, *settings = name.split("+")
+        if base not in table or not set(settings) <= set(SETTINGS) or len(set(settings)) != len(settings):
             raise EstimateError(
-                f"--modes {name}: unknown mode; choose from {', '.join(known_modes())} (and NAME+{CHUNKED})"
+                f"--modes {name}: unknown mode; choose from {', '.join(known_modes())} (and NAME+{CHUNKED}, "
+                f"NAME+{TILED}, NAME+{CHUNKED}+{TILED})"
             )
         mode = table[base]
         if full_finetune and mode.layer_offload is not None:
@@ -95,8 +100,8 @@ def resolve_modes(names: Optional[Sequence[str]], full_finetune: bool, sharded: 
                 "(the suite refuses the pair; FSDP's own CPUOffloadPolicy offloads shards). Leave it out under "
                 "--strategy fsdp."
             )
-        modes.append(mode if not setting else Mode(name, _with_chunked(mode.block), mode.layer_offload))
-        if chunk_all and not setting:
-            modes.append(Mode(f"{base}+{CHUNKED}", _with_chunked(mode.block), mode.layer_offload))
+        modes.append(mode if not settings else Mode(name, _with(mode.block, settings), mode.layer_offload))
+        if chunk_all and not settings:
+            modes.append(Mode(f"{base}+{CHUNKED}", _with(mode.block, [CHUNKED]), mode.layer_offload))
     seen = set()
     return [m for m in modes if not (m.name in seen or seen.add(m.name))]

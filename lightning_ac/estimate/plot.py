@@ -3,6 +3,7 @@ length, beside the lines of the devices asked about."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -60,7 +61,8 @@ def plot(result: Estimate, path: Path) -> Path:
         axis.set_xlabel(f"tokens per sequence (batch {result.steps[0].batch if result.steps else 1})")
         axis.grid(True, which="both", alpha=0.3)
     device.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(f"{result.model}: {result.description}; {result.training}, {result.dtype}", fontsize=9)
+    title = f"{result.model}: {result.description}; {result.training}, {result.dtype}"
+    fig.suptitle(textwrap.fill(title, 170), fontsize=9)  # one line would run past the figure's edge
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -30,7 +30,13 @@ from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.loss.function import chunked_causal_lm_loss
 from lightning_ac.loss.source import LogitOp, SourceError, apply_logit_ops, head_name, logit_ops
 
-__all__ = ["MAX_AUTO_CHUNK_LOGIT_BYTES", "MIN_AUTO_CHUNK_TOKENS", "ChunkedLoss", "auto_chunk_tokens"]
+__all__ = [
+    "MAX_AUTO_CHUNK_LOGIT_BYTES",
+    "MIN_AUTO_CHUNK_TOKENS",
+    "ChunkedLoss",
+    "auto_chunk_tokens",
+    "install_chunked_loss",
+]
 
 _MISSING = object()
 
@@ -335,3 +341,23 @@ def _without_logits(output: Any, call: _Call) -> Any:
     if isinstance(output, tuple):
         return tuple(None if is_placeholder(v) else v for v in output)
     return output
+
+
+def install_chunked_loss(config: Any, layers: Any) -> Optional[ChunkedLoss]:
+    """The causal-LM loss of each transformers model a chunk of tokens at a time, installed for the run (checked
+    before it installs); ``None`` when the block does not ask for it (``config``: its ``chunked_loss``).
+
+    Raises:
+        ConfigError: If the model has no transformers causal-LM model, or one whose loss cannot be chunked.
+    """
+    if config is None:
+        return None
+    if not layers.hf_models:
+        raise ConfigError(
+            "activation_checkpointing.chunked_loss: the model has no transformers causal-LM model (a "
+            "...ForCausalLM with an lm_head and a loss_function), whose loss the chunks compute. Set chunked_loss: "
+            "false, or compute your own loss in chunks."
+        )
+    chunked = ChunkedLoss(config.chunk_tokens, layers.hf_models)
+    chunked.install()
+    return chunked

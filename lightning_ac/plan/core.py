@@ -26,6 +26,7 @@ from lightning_ac.config import (
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import DecoderLayers, find_decoder_layers
 from lightning_ac.loss import ChunkedLoss
+from lightning_ac.loss.install import install_chunked_loss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES
 from lightning_ac.offload.weights import LayerWeightStreamer
@@ -37,6 +38,7 @@ from lightning_ac.plan.training_step import transferred, verifier_for, wrap_trai
 from lightning_ac.plan.weights import DDP_IGNORE, log_weight_streamer, share_streamed_weights, weight_streamer_for
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.tiled_mlp.install import TiledMLP, install_tiled_mlp
 from lightning_ac.train_mode import check_train_mode
 from lightning_ac.verify import StepVerifier
 
@@ -85,6 +87,7 @@ class Plan:
         self.activation_offload: Optional[ActivationOffloadRuntime] = None
         self.weight_streamer: Optional[LayerWeightStreamer] = None
         self.chunked_loss: Optional[ChunkedLoss] = None
+        self.tiled_mlp: Optional[TiledMLP] = None
         self._journal: Optional[ModuleJournal] = None
         self._deferred = False
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
@@ -112,9 +115,10 @@ class Plan:
         return self.recompute.budget if self.recompute is not None else None
 
     @property
-    def _chunked_loss_here(self) -> bool:
-        """The block asks for the chunked loss, and this run trains (no other stage computes a training loss)."""
-        return self.config.chunked_loss is not None and self._fitting
+    def _loss_or_mlp_here(self) -> bool:
+        """The block asks for the chunked loss or the tiled MLP, and this run trains (no other stage computes a
+        training loss, or has a backward to tile)."""
+        return (self.config.chunked_loss is not None or self.config.tiled_mlp is not None) and self._fitting
 
     # -- apply ----------------------------------------------------------------------------------------------
 
@@ -137,7 +141,7 @@ class Plan:
         self._offload_here = offload_wanted(self.activation_offload_request, self.device)
         self._check_releases()
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
-            if not self._offload_here and not self._chunked_loss_here:
+            if not self._offload_here and not self._loss_or_mlp_here:
                 return
             layers = find_decoder_layers(module)
             if layers.hf_models or not isinstance(module, LightningModule):
@@ -218,8 +222,9 @@ class Plan:
                 )
                 if self._fitting:
                     cache_off_for_the_run(layers, self._cache_configs)
-            if self._chunked_loss_here:
-                self._install_chunked_loss(layers)
+            if self._fitting:
+                self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
+                self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
             self._install_verifier()
             self._wrap_training_step()
             self._journal.commit()
@@ -243,8 +248,9 @@ class Plan:
         if self.recompute is not None:
             counted = f"{sum(self.recomputed)}/{len(layers.modules)} {layers.noun}"
             parts.append(f"checkpointing {counted} ({describe_recompute(cfg, self.recompute)})")
-        if self.chunked_loss is not None:
-            parts.append(self.chunked_loss.describe() + ("" if cfg.enabled else ", nothing recomputed"))
+        for extra in (self.chunked_loss, self.tiled_mlp):
+            if extra is not None:
+                parts.append(extra.describe() + ("" if cfg.enabled else ", nothing recomputed"))
         if self.activation_offload is not None:
             described = self.activation_offload.describe() + ("" if cfg.enabled else ", nothing recomputed")
             around = self.recompute.inputs_around_compiled if self.recompute is not None else 0
@@ -256,18 +262,6 @@ class Plan:
             parts.append(described)
         if parts:
             rank_zero_info("; ".join(parts))
-
-    def _install_chunked_loss(self, layers: DecoderLayers) -> None:
-        """The causal-LM loss of each transformers model a chunk of tokens at a time (checked before it installs)."""
-        assert self.config.chunked_loss is not None
-        if not layers.hf_models:
-            raise ConfigError(
-                "activation_checkpointing.chunked_loss: the model has no transformers causal-LM model (a "
-                "...ForCausalLM with an lm_head and a loss_function), whose loss the chunks compute. Set chunked_loss: "
-                "false, or compute your own loss in chunks."
-            )
-        self.chunked_loss = ChunkedLoss(self.config.chunked_loss.chunk_tokens, layers.hf_models)
-        self.chunked_loss.install()
 
     def _install_verifier(self) -> None:
         """Verify mode, when a request asks for it and something is transferred in this run."""
@@ -310,7 +304,13 @@ class Plan:
         if self.layers is None:
             return []
         return layer_rows(
-            self.layers, self.recomputed, self.selective, self.budget, self.weight_streamer, self.activation_offload
+            self.layers,
+            self.recomputed,
+            self.selective,
+            self.budget,
+            self.weight_streamer,
+            self.activation_offload,
+            self.tiled_mlp,
         )
 
     # -- remove ---------------------------------------------------------------------------------------------
@@ -331,14 +331,15 @@ class Plan:
         self._cache_configs = []
         self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
-        streamer, budget, chunked_loss = self.weight_streamer, self.budget, self.chunked_loss
+        streamer, budget, chunked_loss, tiled = self.weight_streamer, self.budget, self.chunked_loss, self.tiled_mlp
         self.activation_offload = self._journal = self.weight_streamer = self.recompute = None
-        self.chunked_loss = None
+        self.chunked_loss = self.tiled_mlp = None
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
         home = torch.device("cpu") if after_exception else _home_device(self.module, streamer, self.device)
         steps = [
             budget.abort_step if budget is not None else None,
             chunked_loss.remove if chunked_loss is not None else None,
+            tiled.remove if tiled is not None else None,
             functools.partial(streamer.close, home) if streamer is not None else None,
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,

@@ -11,6 +11,7 @@ from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.weights import LayerWeightStreamer
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
+from lightning_ac.tiled_mlp.install import TiledMLP
 
 __all__ = ["layer_rows"]
 
@@ -22,8 +23,10 @@ def layer_rows(
     budget: Optional[BudgetController],
     weight_streamer: Optional[LayerWeightStreamer],
     activation_offload: Optional[ActivationOffloadRuntime],
+    tiled_mlp: Optional[TiledMLP] = None,
 ) -> List[LayerRow]:
-    """One row per decoder layer: recomputed or not, what it saves, what is offloaded where."""
+    """One row per decoder layer: recomputed or not, what it saves (its MLP's input only, where the MLP is tiled),
+    what is offloaded where."""
     rows = []
     for index, (name, _) in enumerate(layers.layers):
         is_recomputed = bool(recomputed[index]) if index < len(recomputed) else False
@@ -33,6 +36,8 @@ def layer_rows(
         saves = selective.describe_layer(index, ruled) if selective is not None else None
         if budget is not None:
             saves = "; ".join(filter(None, [budget.describe_layer(index), saves]))
+        if tiled_mlp is not None:
+            saves = "; ".join(filter(None, [saves, tiled_mlp.describe_layer()]))
         offloaded: List[str] = []
         if weight_streamer is not None:
             offloaded += filter(None, [weight_streamer.describe_layer(index)])

@@ -195,8 +195,8 @@ MUTANTS: List[Mutant] = [
     # -- the mode table ---------------------------------------------------------------------------------------
     Mutant(
         MODES,
-        'return {"enabled": False, "chunked_loss": True}',
-        'return {"chunked_loss": True}',
+        'return {"enabled": False, **on}',
+        "return on",
         "off+chunked_loss checkpoints every layer (the chunked loss turns checkpointing on)",
         (f"{EXACT}::test_chunked_loss_is_one_more_setting_of_a_mode_and_keeps_its_block",),
     ),

@@ -1,0 +1,201 @@
+"""``tiled_mlp``: each decoder layer's MLP a tile of tokens at a time, for the run; and with ``norms: true`` (the
+default) the layers' norms and the final norm too.
+
+Each tiled module gets an instance ``forward`` (put back at removal) that runs
+:func:`~lightning_ac.tiled_mlp.function.tiled_mlp` around the module's own forward in a training call (gradients on)
+of one argument, and the module's own forward otherwise (evaluation, no gradients, extra arguments).
+
+Why the norms: once the MLP is tiled, a layer's norms are what holds most at long context. An RMSNorm computes in
+float32 whatever the model's dtype, saves the float32 copy of its input, and its backward makes about six float32
+tensors of the input's shape: at 4,096 hidden that is 96 KiB a token in the backward of a recomputed layer (and of the
+final norm, after the head), against 8 KiB for the bf16 hidden states. A norm is computed per token as an MLP is, so
+it tiles the same way and saves only its (bf16) input.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_ac.config import AUTO, ConfigError
+from lightning_ac.tiled_mlp.function import tiled_mlp
+
+__all__ = [
+    "MIN_AUTO_TILE_TOKENS",
+    "TiledMLP",
+    "auto_tile_tokens",
+    "final_norms",
+    "find_mlps",
+    "install_tiled_mlp",
+    "is_norm",
+    "layer_norms",
+]
+
+# tile_tokens: auto never takes fewer tokens a tile: smaller matmuls run below speed, and a step runs more tiles'
+# autograd calls (cpu-vocab, hidden 256: tiles of 256 tokens stepped at 1.08x full_chunked's time, of 1024 at 0.98x,
+# with the same activation peak)
+MIN_AUTO_TILE_TOKENS = 1024
+_MISSING = object()
+
+
+def auto_tile_tokens(tokens: int, hidden_size: int) -> int:
+    """``tile_tokens: auto``: the hidden size's worth of tokens, rounded up to a power of two and at least
+    :data:`MIN_AUTO_TILE_TOKENS` (a tile's intermediates then hold about one MLP weight matrix's elements, at any
+    length); never more than ``tokens``."""
+    if tokens <= 0:
+        return 1
+    return min(tokens, max(MIN_AUTO_TILE_TOKENS, 1 << (max(1, hidden_size) - 1).bit_length()))
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A per-token norm (``LayerNorm``, an ``RMSNorm`` of any model): it normalises each token over the last
+    dimension, so a tile of tokens at a time computes the same rows."""
+    name = type(module).__name__.lower()
+    return "layernorm" in name or "rmsnorm" in name
+
+
+def layer_norms(layer: nn.Module) -> List[nn.Module]:
+    """The norms a decoder layer holds directly (``input_layernorm``, ``post_attention_layernorm``, Gemma's
+    pre- and post-feedforward norms); a norm inside attention (Qwen3's per-head ``q_norm``) is left alone."""
+    return [child for child in layer.children() if is_norm(child)]
+
+
+def final_norms(models: Sequence[nn.Module], layers: Sequence[nn.Module]) -> List[nn.Module]:
+    """The norms beside each model's list of decoder layers (``model.norm``: the last hidden states' norm, before
+    the output head)."""
+    ids = {id(layer) for layer in layers}
+    found: List[nn.Module] = []
+    for model in models:
+        for module in model.modules():
+            children = list(module.children())
+            if any(isinstance(c, nn.ModuleList) and any(id(m) in ids for m in c) for c in children):
+                found.extend(c for c in children if is_norm(c) and all(c is not f for f in found))
+    return found
+
+
+def find_mlps(layer: nn.Module, index: int, mlp_modules: Optional[Sequence[str]] = None) -> List[nn.Module]:
+    """The MLPs of ``layer`` to tile, checked: its ``mlp`` (transformers' layers), or with ``mlp_modules`` each of its
+    submodules whose name relative to the layer matches one of those names or globs (``ffn``, ``*.feed_forward``);
+    a match inside another match is left to it."""
+    field = "activation_checkpointing.tiled_mlp"
+    if mlp_modules is None:
+        mlp = getattr(layer, "mlp", None)
+        found = [("mlp", mlp)] if isinstance(mlp, nn.Module) else []
+        where = "the suite finds a transformers layer's MLP as its `mlp`"
+    else:
+        found = []
+        for name, module in layer.named_modules():
+            inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+            if name and not inside and any(fnmatch.fnmatchcase(name, pattern) for pattern in mlp_modules):
+                found.append((name, module))
+        where = f"mlp_modules: {list(mlp_modules)} matched none of its submodules"
+    if not found:
+        names = ", ".join(name for name, _ in layer.named_children())
+        raise ConfigError(
+            f"{field}: {type(layer).__name__} (layer {index}) has no MLP to tile ({where}; its children: {names}). "
+            "Name the MLP with tiled_mlp: {mlp_modules: [NAME]} (a name or glob relative to the layer), or set "
+            "tiled_mlp: false."
+        )
+    for name, mlp in found:
+        if _sparse(mlp):
+            raise ConfigError(
+                f"{field}: layer {index}'s {name} is a sparse mixture of experts ({type(mlp).__name__}): its router "
+                "sends each token to some experts and adds an auxiliary loss, which a tile at a time would not "
+                "reproduce. Set tiled_mlp: false."
+            )
+    return [mlp for _, mlp in found]
+
+
+def _sparse(mlp: nn.Module) -> bool:
+    """A sparse mixture of experts: a router sends each token to some experts (and adds an auxiliary loss)."""
+    name = type(mlp).__name__.lower()
+    return hasattr(mlp, "experts") or hasattr(mlp, "router") or "moe" in name or "sparse" in name
+
+
+class TiledMLP:
+    """Runs each decoder layer's MLP a tile of tokens at a time, for the run.
+
+    Args:
+        tile_tokens: Tokens per tile, or ``"auto"`` (:func:`auto_tile_tokens`, per call).
+        layers: The decoder layers, each with its MLP as ``mlp``.
+        noun: What the layers are called in messages (``decoder layers``).
+        norms: The norms to tile too (:func:`layer_norms`, :func:`final_norms`).
+        mlp_modules: The names or globs of each layer's MLP modules, relative to the layer (:func:`find_mlps`);
+            ``None``: the layer's ``mlp``.
+
+    Raises:
+        ConfigError: If a layer has no MLP to tile, or its MLP is a sparse mixture of experts (its router and
+            auxiliary loss are not tiled).
+    """
+
+    def __init__(
+        self,
+        tile_tokens: Any,
+        layers: Sequence[nn.Module],
+        noun: str = "decoder layers",
+        norms: Sequence[nn.Module] = (),
+        mlp_modules: Optional[Sequence[str]] = None,
+    ) -> None:
+        self.tile_tokens = tile_tokens
+        self.mlps = [mlp for index, layer in enumerate(layers) for mlp in find_mlps(layer, index, mlp_modules)]
+        self.norms = list(norms)
+        self.noun = noun
+        self._saved: Dict[int, Any] = {}
+
+    def install(self) -> None:
+        for module in self.modules:
+            self._saved[id(module)] = module.__dict__.get("forward", _MISSING)
+            module.forward = self._forward_of(module, module.forward)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for module in self.modules:
+            saved = self._saved.pop(id(module), _MISSING)
+            if saved is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = saved  # type: ignore[method-assign]
+
+    def _forward_of(self, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+                return original(x, *args, **kwargs)
+            tokens = x.shape[:-1].numel()
+            tile = self.tile_tokens
+            if tile == AUTO:
+                tile = auto_tile_tokens(tokens, x.shape[-1])
+            return tiled_mlp(original, x, list(module.parameters()), int(tile))
+
+        return forward
+
+    def describe_layer(self) -> str:
+        """What a layer's tiled parts save, for the per-layer table."""
+        tile = "auto" if self.tile_tokens == AUTO else self.tile_tokens
+        norms = " and norms" if self.norms else ""
+        return f"MLP{norms} tiled ({tile} tokens a tile): their inputs only"
+
+    def describe(self) -> str:
+        tile = self.tile_tokens if self.tile_tokens != AUTO else "auto"
+        norms = f", and {len(self.norms)} norms" if self.norms else ""
+        return f"tiled MLP ({len(self.mlps)} {self.noun}{norms}, tile_tokens: {tile})"
+
+    @property
+    def modules(self) -> List[nn.Module]:
+        """The tiled modules: the MLPs, then the norms."""
+        return list(self.mlps) + list(self.norms)
+
+
+def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
+    """Each decoder layer's MLP tiled for the run; ``None`` when the block does not ask for it (``config``: its
+    ``tiled_mlp``; ``layers``: the :class:`~lightning_ac.layers.DecoderLayers` found)."""
+    if config is None:
+        return None
+    norms: List[nn.Module] = []
+    if config.norms:
+        norms = [norm for layer in layers.modules for norm in layer_norms(layer)]
+        norms += final_norms(layers.hf_models, layers.modules)
+    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms, config.mlp_modules)
+    tiled.install()
+    return tiled

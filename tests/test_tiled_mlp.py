@@ -1,0 +1,358 @@
+"""The tiled MLP's engine (lightning_ac.tiled_mlp.function): a decoder layer's MLP a tile of tokens at a time trains
+as the untiled MLP does, within float rounding (the CPU's matmuls block rows by their count)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import tiny_model
+
+from lightning_ac.tiled_mlp.function import tiled_mlp
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full_finetune", "lora"])
+@pytest.mark.parametrize("tile", [1, 16, 37, 74, 1000])
+def test_the_tiled_mlp_trains_as_the_untiled_one(lora, tile):
+    model = tiny_model("llama", lora=lora)
+    mlp = (model.get_base_model() if lora else model).model.layers[0].mlp
+    params = list(mlp.parameters())
+    x = torch.randn(2, 37, 64, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    want = mlp(x)
+    g = torch.randn_like(want)
+    want.backward(g)
+    want_x, want_p = x.grad.clone(), [p.grad.clone() if p.grad is not None else None for p in params]
+    x.grad = None
+    for p in params:
+        p.grad = None
+    got = tiled_mlp(mlp.forward, x, params, tile)
+    got.backward(g)
+    assert torch.allclose(got, want, rtol=0, atol=1e-7)
+    assert torch.allclose(x.grad, want_x, rtol=0, atol=1e-7)
+    for p, w in zip(params, want_p):
+        assert (p.grad is None) == (w is None) and (w is None or torch.allclose(p.grad, w, rtol=1e-5, atol=1e-6))
+    assert sum(p.requires_grad for p in params) == (6 if lora else 3)
+
+
+@pytest.mark.parametrize("family, norm", [("llama", "input_layernorm"), ("gemma3_text", "pre_feedforward_layernorm")])
+@pytest.mark.parametrize("tile", [1, 16, 1000])
+def test_a_tiled_norm_trains_as_the_untiled_one(family, norm, tile):
+    """A norm is computed per token: tiled, its output and its input's gradient are the untiled ones bit for bit;
+    its weight's gradient (a full fine-tune) is a sum over tiles, within float rounding."""
+    module = getattr(tiny_model(family).model.layers[0], norm)
+    module.requires_grad_(True)
+    x = torch.randn(2, 37, 64, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    want = module(x)
+    g = torch.randn_like(want)
+    want.backward(g)
+    want_x, want_w = x.grad.clone(), module.weight.grad.clone()
+    x.grad = module.weight.grad = None
+    got = tiled_mlp(module.forward, x, list(module.parameters()), tile)
+    got.backward(g)
+    assert torch.equal(got, want) and torch.equal(x.grad, want_x)
+    assert torch.allclose(module.weight.grad, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family, per_layer",
+    [
+        ("llama", ["input_layernorm", "post_attention_layernorm"]),
+        ("qwen3", ["input_layernorm", "post_attention_layernorm"]),  # not attention's per-head q_norm and k_norm
+        (
+            "gemma3_text",
+            ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+        ),
+    ],
+)
+def test_the_norms_tiled_are_each_layers_own_and_the_final_norm(family, per_layer):
+    from lightning_ac.config import TiledMLPConfig
+    from lightning_ac.layers import find_decoder_layers
+    from lightning_ac.tiled_mlp.install import install_tiled_mlp
+
+    model = tiny_model(family, lora=True)
+    layers = find_decoder_layers(model)
+    tiled = install_tiled_mlp(TiledMLPConfig(), layers)
+    try:
+        inner = model.get_base_model().model
+        want = [getattr(layer, name) for layer in inner.layers for name in per_layer] + [inner.norm]
+        assert [id(m) for m in tiled.norms] == [id(m) for m in want]
+        assert all("forward" in m.__dict__ for m in tiled.modules)
+        assert all("forward" not in m.__dict__ for layer in inner.layers for m in layer.self_attn.modules())
+        assert f"and {len(want)} norms" in tiled.describe()
+    finally:
+        tiled.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    only = install_tiled_mlp(TiledMLPConfig(norms=False), layers)
+    assert only.norms == [] and len(only.modules) == len(inner.layers)
+    only.remove()
+
+
+# -- in a run ----------------------------------------------------------------------------------------------------
+
+
+def _assert_close_training(reference, run, rtol=1e-5, atol=1e-6):
+    """Losses and first-step gradients within float rounding (a tile's matmuls block rows by their count)."""
+    assert len(reference.losses) == len(run.losses)
+    for a, b in zip(reference.losses, run.losses):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (a, b)
+    assert reference.grads.keys() == run.grads.keys()
+    for name, grad in reference.grads.items():
+        assert torch.allclose(grad, run.grads[name], rtol=rtol, atol=atol), name
+
+
+@pytest.mark.parametrize(
+    "family, block",
+    [
+        ("llama", {"tiled_mlp": {"tile_tokens": 8}}),  # with full recompute
+        ("qwen3", {"tiled_mlp": {"tile_tokens": 8}, "selective": True}),
+        ("gemma3_text", {"tiled_mlp": True}),  # GELU; auto tiles (hidden 64: the floor of 1024 tokens, one tile)
+        ("llama", {"enabled": False, "tiled_mlp": {"tile_tokens": 8}}),  # the tiled MLP alone
+        ("llama", {"tiled_mlp": {"tile_tokens": 8}, "chunked_loss": {"chunk_tokens": 16}}),
+        ("llama", {"tiled_mlp": {"tile_tokens": 8, "norms": False}}),  # the MLP only
+    ],
+)
+def test_a_run_with_the_tiled_mlp_trains_as_without_it_and_leaves_the_model_as_found(family, block):
+    from conftest import fit, model_fingerprint
+
+    from lightning_ac import callbacks_from_config
+
+    base = tiny_model(family)
+    reference = fit(copy.deepcopy(base), max_steps=2)
+    model = copy.deepcopy(base)
+    before = model_fingerprint(model)
+    callbacks = callbacks_from_config(block)
+    run = fit(model, callbacks, max_steps=2)
+    _assert_close_training(reference, run)
+    tiled = next(cb for cb in callbacks if type(cb).__name__ == "ActivationCheckpointing")
+    assert model_fingerprint(model) == before, "nothing of the tiled MLP is left on the model"
+    assert tiled is not None
+
+
+class _BackwardFlops(pl.Callback):
+    """The first step's backward FLOPs (torch's FlopCounterMode: matmuls and attention)."""
+
+    flops = None
+
+    def on_before_backward(self, trainer, module, loss):
+        if self.flops is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self.mode = FlopCounterMode(display=False)
+            self.mode.__enter__()
+
+    def on_after_backward(self, trainer, module):
+        if self.flops is None:
+            self.mode.__exit__(None, None, None)
+            self.flops = self.mode.get_total_flops()
+
+
+@pytest.mark.parametrize("norms", [True, False])
+def test_a_recomputed_layer_runs_no_mlp_forward_of_its_own(norms):
+    """Checkpointing stops a layer's recompute at the last tensor it saved: the tiled MLP's input, saved before the
+    MLP runs. The backward then runs the MLP's forward once, a tile at a time, not once in the recompute and again in
+    the tiles. To the FLOP, it computes what the untiled checkpointed layer's does and one matmul more: the down
+    projection's forward, whose output the untiled recompute never computes (it stops at the down projection's
+    saved input) and a tile's forward must compute to backpropagate."""
+    from conftest import BATCH, SEQ, fit
+
+    from lightning_ac import ActivationCheckpointing
+
+    base = tiny_model("llama")
+    untiled, tiled = _BackwardFlops(), _BackwardFlops()
+    fit(copy.deepcopy(base), [ActivationCheckpointing(), untiled])
+    fit(copy.deepcopy(base), [ActivationCheckpointing(tiled_mlp={"tile_tokens": 8, "norms": norms}), tiled])
+    config = base.config
+    down_projection = 2 * BATCH * SEQ * config.intermediate_size * config.hidden_size
+    assert untiled.flops > 0
+    assert tiled.flops == untiled.flops + config.num_hidden_layers * down_projection
+
+
+TILES = {"tile_tokens": 8}
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "block, kwargs",
+    [
+        pytest.param({"kwargs": {"every_n_layers": 2}}, {}, id="every_2", marks=SLOW),
+        pytest.param({"budget": "1MiB"}, {}, id="budget", marks=SLOW),
+        pytest.param({"offload": {"hidden_states": "cpu"}}, {}, id="offload_hidden"),
+        pytest.param({"offload": {"all": "cpu"}}, {}, id="offload_all", marks=SLOW),
+        pytest.param({"selective": True, "offload": {"selective": "cpu"}}, {}, id="offload_selective", marks=SLOW),
+        pytest.param({}, {"layer_offloading": True, "copy_on_host": True}, id="layer_offloading"),
+    ],
+)
+def test_the_tiled_mlp_composes_with_each_mode(block, kwargs):
+    """Each mode with the tiled MLP (and its norms) trains as the untiled run within float rounding, its backward
+    runs a tile at a time, and the model is left as found."""
+    from conftest import fit, model_fingerprint
+
+    from lightning_ac import callbacks_from_config
+    from lightning_ac.tiled_mlp import function
+
+    base = tiny_model("llama", lora=True)
+    reference = fit(copy.deepcopy(base), max_steps=2)
+    model = copy.deepcopy(base)
+    before = model_fingerprint(model)
+    backward, calls = function._TiledMLP.backward, []
+
+    def counted(ctx, grad):
+        calls.append(len(ctx.tiles))
+        return backward(ctx, grad)
+
+    function._TiledMLP.backward = staticmethod(counted)
+    try:
+        run = fit(model, callbacks_from_config({**block, "tiled_mlp": TILES}, **kwargs), max_steps=2)
+    finally:
+        function._TiledMLP.backward = staticmethod(backward)
+    _assert_close_training(reference, run)
+    layers = base.config.num_hidden_layers
+    # per step, each layer's MLP and two norms and the final norm, in 2 x 32 / 8 tiles each; but the first layer's
+    # input norm, whose input (the frozen embeddings') and weight (frozen) want no gradient: it runs untiled
+    assert calls == [8] * (2 * (3 * layers + 1 - 1))
+    assert model_fingerprint(model) == before
+
+
+class _FirstPlan(pl.Callback):
+    """The budget's figures and the plan's layer table after the first (measuring) step."""
+
+    figures = rows = None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if self.figures is None:
+            plan = next(c for c in trainer.callbacks if type(c).__name__ == "ActivationCheckpointing").plan
+            self.figures = [f.saved_bytes for f in plan.budget.figures]
+            self.rows = plan.layer_rows()
+
+
+def test_the_budget_measures_the_smaller_layer_and_the_layer_table_says_so():
+    """The budget's measuring step runs the tiled MLP: each layer's measured working set is smaller by the MLP's
+    and the norms' intermediates, and the budget decides on those figures."""
+    from conftest import fit
+
+    from lightning_ac import ActivationCheckpointing
+
+    base = tiny_model("llama", lora=True)
+    untiled, tiled = _FirstPlan(), _FirstPlan()
+    fit(copy.deepcopy(base), [ActivationCheckpointing(budget="1GiB"), untiled])
+    fit(copy.deepcopy(base), [ActivationCheckpointing(budget="1GiB", tiled_mlp=TILES), tiled])
+    assert len(tiled.figures) == len(untiled.figures) == base.config.num_hidden_layers
+    assert all(0 < t < u for t, u in zip(tiled.figures, untiled.figures)), (tiled.figures, untiled.figures)
+    assert all("MLP and norms tiled (8 tokens a tile): their inputs only" in row.saves for row in tiled.rows)
+    assert not any("tiled" in row.saves for row in untiled.rows)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
+    """Each decoder layer compiled (torchtitan's way): the compiled layers train as the same compiled layers
+    without the tiled MLP, within float rounding."""
+    from conftest import fit
+    from test_compile import GraphLM, GraphRecorder, compiled
+
+    from lightning_ac import callbacks_from_config
+
+    base = tiny_model("llama")
+    reference = fit(compiled(base, GraphRecorder(False), "layer"), max_steps=2, module_cls=GraphLM)
+    block = {"enabled": enabled, "tiled_mlp": TILES}
+    callbacks = callbacks_from_config(block)
+    run = fit(compiled(base, GraphRecorder(False), "layer"), callbacks, max_steps=2, module_cls=GraphLM)
+    _assert_close_training(reference, run)
+
+
+class _Block(torch.nn.Module):
+    """A plain torch decoder block whose MLP is its ``ffn``."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.ffn = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.GELU(), torch.nn.Linear(32, width))
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+def test_a_plain_torch_layers_mlp_is_found_by_name_or_glob():
+    from lightning_ac import ConfigError
+    from lightning_ac.config import parse_tiled_mlp
+    from lightning_ac.tiled_mlp.install import TiledMLP, find_mlps
+
+    blocks = torch.nn.Sequential(_Block(), _Block())
+    with pytest.raises(ConfigError, match=r"_Block \(layer 0\) has no MLP to tile .*its children: norm, ffn.*"
+                       r"mlp_modules: \[NAME\]"):  # fmt: skip
+        TiledMLP(8, list(blocks))
+    with pytest.raises(ConfigError, match=r"mlp_modules: \['feed_forward'\] matched none of its submodules"):
+        find_mlps(blocks[0], 0, ["feed_forward"])
+    assert find_mlps(blocks[0], 0, ["ffn"]) == [blocks[0].ffn]
+    assert find_mlps(blocks[0], 0, ["f*"]) == [blocks[0].ffn], "a match inside a match is left to it"
+    x = torch.randn(2, 40, 16, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    want = blocks(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone(), *(p.grad.clone() for p in blocks.parameters())]
+    x.grad = None
+    blocks.zero_grad()
+    tiled = TiledMLP(8, list(blocks), mlp_modules=parse_tiled_mlp({"mlp_modules": "ffn"}).mlp_modules)
+    tiled.install()
+    try:
+        got = blocks(x)
+        got.sum().backward()
+    finally:
+        tiled.remove()
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    for g, w in zip([x.grad, *(p.grad for p in blocks.parameters())], want_grads):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert not any("forward" in m.__dict__ for m in blocks.modules())
+    with pytest.raises(ConfigError, match=r"tiled_mlp.mlp_modules: expected a list of module names or globs"):
+        parse_tiled_mlp({"mlp_modules": [""]})
+
+
+def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
+    from lightning_ac import ActivationCheckpointing, ConfigError
+    from lightning_ac.tiled_mlp.install import TiledMLP
+
+    moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+    with pytest.raises(ConfigError, match=r"tiled_mlp: layer 0's mlp is a sparse mixture of experts"):
+        TiledMLP("auto", moe.model.layers)
+    with pytest.raises(ConfigError, match=r"tiled_mlp=\.\.\.\)\.tile_tokens: expected an integer >= 1, got 0"):
+        ActivationCheckpointing(tiled_mlp={"tile_tokens": 0})
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) 'tiles'"):
+        ActivationCheckpointing(tiled_mlp={"tiles": 8})
+    with pytest.raises(ConfigError, match=r"tiled_mlp=\.\.\.\)\.norms: expected true or false, got 'no'"):
+        ActivationCheckpointing(tiled_mlp={"norms": "no"})
+    from lightning_ac.config import TiledMLPConfig, parse_tiled_mlp
+
+    assert parse_tiled_mlp({"norms": False}) == TiledMLPConfig(norms=False)
+    assert parse_tiled_mlp({"tile_tokens": 8, "norms": False}) == TiledMLPConfig(tile_tokens=8, norms=False)
+    assert parse_tiled_mlp(True) == TiledMLPConfig() and TiledMLPConfig().norms is True
+
+
+@pytest.mark.parametrize(
+    "tokens, hidden_size, tile",
+    [
+        (100_000, 4096, 4096),  # Llama-3-8B: its hidden size, a power of two, kept
+        (100_000, 4097, 8192),  # rounded up to a power of two
+        (100_000, 64, 1024),  # a small model: the floor of 1024 tokens
+        (100, 4096, 100),  # never more than the tokens there are
+    ],
+)
+def test_auto_tiles_hold_the_hidden_sizes_worth_of_tokens(tokens, hidden_size, tile):
+    from lightning_ac.tiled_mlp import auto_tile_tokens
+
+    assert auto_tile_tokens(tokens, hidden_size) == tile
+
+
+def test_remove_puts_back_each_mlps_forward_as_found():
+    """Without the plan's journal too: an MLP without an instance forward has none again, one with its own keeps
+    it."""
+    from lightning_ac.tiled_mlp import TiledMLP
+
+    model = tiny_model("llama")
+    layers = model.model.layers
+    own = layers[1].mlp.forward
+    layers[1].mlp.forward = own  # an instance attribute of the caller's
+    tiled = TiledMLP({"tile_tokens": 8}["tile_tokens"], layers)
+    tiled.install()
+    assert all("forward" in layer.mlp.__dict__ for layer in layers)
+    tiled.remove()
+    assert "forward" not in layers[0].mlp.__dict__ and layers[1].mlp.__dict__["forward"] is own
