@@ -175,8 +175,14 @@ def test_progress_auto_is_the_bar_on_a_terminal_and_lines_elsewhere():
             "2/2",
         ),
         (  # the tiled MLP on an option, as Hydra takes it (the MLP only, 8-token tiles)
-            ["activation_checkpointing=selective_attn", "activation_checkpointing.tiled_mlp={tile_tokens:8,norms:false}"],
-            {"selective": {"save": ["attention"]}, "tiled_mlp": {"tile_tokens": 8, "norms": False, "mlp_modules": None}},
+            [
+                "activation_checkpointing=selective_attn",
+                "activation_checkpointing.tiled_mlp={tile_tokens:8,norms:false}",
+            ],
+            {
+                "selective": {"save": ["attention"]},
+                "tiled_mlp": {"tile_tokens": 8, "norms": False, "mlp_modules": None},
+            },
             "2/2",
         ),
         pytest.param(  # the same block as selective_attn, by another syntax: slow session only

@@ -84,6 +84,10 @@ def test_the_norms_tiled_are_each_layers_own_and_the_final_norm(family, per_laye
     finally:
         tiled.remove()
     assert not any("forward" in m.__dict__ for m in model.modules())
+    from lightning_ac.tiled_mlp.install import is_norm
+
+    assert is_norm(torch.nn.LayerNorm(8)) and is_norm(torch.nn.RMSNorm(8))
+    assert not is_norm(torch.nn.LayerNorm((4, 8))), "a norm over more than the last dimension is not per token"
     only = install_tiled_mlp(TiledMLPConfig(norms=False), layers)
     assert only.norms == [] and len(only.modules) == len(inner.layers)
     only.remove()

@@ -54,7 +54,8 @@ def is_norm(module: nn.Module) -> bool:
     """A per-token norm (``LayerNorm``, an ``RMSNorm`` of any model): it normalises each token over the last
     dimension, so a tile of tokens at a time computes the same rows."""
     name = type(module).__name__.lower()
-    return "layernorm" in name or "rmsnorm" in name
+    shape = getattr(module, "normalized_shape", None)  # torch's norms: over the last dimension only
+    return ("layernorm" in name or "rmsnorm" in name) and (shape is None or len(tuple(shape)) == 1)
 
 
 def layer_norms(layer: nn.Module) -> List[nn.Module]:
