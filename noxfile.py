@@ -49,6 +49,9 @@ def oldest(session: nox.Session) -> None:
     session.install(*OLDEST)
     session.install("-e", ".[tests]", *OLDEST)
     session.run("python", "-c", VERSIONS)
+    # grouped-query attention on the oldest torch, whose flop counter takes equal heads only (lightning_ac counts
+    # attention's FLOPs itself): an 8B Llama-3 at a short length, seconds
+    session.run("python", "-m", "lightning_ac.estimate", "--model", "llama3-8b", "--seq", "512", "--modes", "full")
     session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
 
 

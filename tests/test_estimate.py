@@ -343,6 +343,48 @@ def test_the_breakdown_adds_up():
     assert full.device_total_bytes > full.parameter_bytes + full.activation_peak_bytes // 2
 
 
+def test_grouped_query_attention_counts_the_work_of_every_query_head():
+    """Attention with fewer key/value heads than query heads does the work of as many heads as the query has (the
+    kernel broadcasts each key/value head to its group): counted as torch's own formula counts the same attention
+    with the key/value heads repeated, which every torch the package installs with counts."""
+    from torch.utils import flop_counter
+
+    from lightning_ac.estimate.flops import attention_backward_flops, attention_flops
+
+    query, grouped, repeated = (1, 16, 96, 128), (1, 8, 80, 128), (1, 16, 80, 128)
+    assert attention_flops(query, grouped, grouped) == flop_counter.sdpa_flop_count(query, repeated, repeated)
+    assert attention_backward_flops(query, query, grouped, grouped) == flop_counter.sdpa_backward_flop_count(
+        query, query, repeated, repeated
+    )
+    with pytest.raises(ValueError, match="key/value heads must divide the query heads"):
+        attention_flops(query, (1, 6, 80, 128), (1, 6, 80, 128))
+
+
+def test_a_grouped_query_estimate_runs_where_torchs_flop_counter_takes_equal_heads_only(monkeypatch):
+    """torch <= 2.12's flop counter asserts equal query and key/value heads (the H200 run's torch 2.11 crashed on
+    every Llama-3 estimate): the fake step of a grouped-query model (4 query heads, 2 key/value heads) counts the
+    same FLOPs with that counter as with torch 2.13's."""
+    from torch.utils import flop_counter
+
+    def equal_heads_only(count):
+        def strict(query, key, value, *rest):
+            assert query[1] == key[1], f"query/key/value shapes are incompatible: q={query}, k={key}, v={value}"
+            return count(query, key, value, *rest)
+
+        return strict
+
+    config = tiny_config("llama")
+    assert config.num_attention_heads != config.num_key_value_heads
+    (mode,) = resolve_modes(["full"], False)
+    expected = fake_step(config, torch.float32, LORA, mode, 64, 2, "adamw", target="cpu").flops
+    for name in ("sdpa_flop_count", "sdpa_backward_flop_count"):
+        monkeypatch.setattr(flop_counter, name, equal_heads_only(getattr(flop_counter, name)))
+    with pytest.raises(AssertionError, match="incompatible"):  # the stand-in is torch 2.11's assert
+        flop_counter.sdpa_flop_count((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+    assert fake_step(config, torch.float32, LORA, mode, 64, 2, "adamw", target="cpu").flops == expected
+    assert expected["forward"] > 0 and expected["recompute"] > 0
+
+
 def _caller_state():
     import torch.nn.parallel.distributed as ddp_module
     import transformers.masking_utils as masking_utils
