@@ -136,7 +136,7 @@ def fake_session() -> Iterator[None]:
     import transformers.masking_utils as masking_utils
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from lightning_ac.offload.device import standing_for_plain, unlimited_host
+    from lightning_ac.offload.device import hold_copies_in_flight, standing_for_plain, unlimited_host
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_caller_state())
@@ -144,5 +144,6 @@ def fake_session() -> Iterator[None]:
         storage = torch.UntypedStorage
         stack.enter_context(patched(storage, "data_ptr", _fake_aware_data_ptr(storage.data_ptr)))
         stack.enter_context(unlimited_host())
+        stack.enter_context(hold_copies_in_flight())
         stack.enter_context(standing_for_plain(FakeTensor))
         yield

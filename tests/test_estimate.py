@@ -30,6 +30,7 @@ from lightning_ac.estimate.optimizers import optimizer_choice
 from lightning_ac.estimate.precision import Precision, as_precision, precision_for
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.step import _StepModule, fake_step, mode_callbacks, step_trainer
+from lightning_ac.offload.device import hold_copies_in_flight
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = Training(4, tuple(ALL_LINEARS))
@@ -78,7 +79,9 @@ def _measure(config, dtype, training, mode, seq, batch=2, optimizer="adamw", ext
     trainer = step_trainer([*callbacks, metrics, *extra], max_steps=steps, precision=precision.autocast)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     module = _Measured(model, optimizer_choice(optimizer, "cpu"), loss=training.loss)
-    trainer.fit(module, torch.utils.data.DataLoader([ids] * steps, batch_size=None))
+    # the copies to the host hold their device bytes as the fake step's do (as if the bus never finished one early)
+    with hold_copies_in_flight():
+        trainer.fit(module, torch.utils.data.DataLoader([ids] * steps, batch_size=None))
     return metrics.peak.activation_bytes, callbacks, module, trainer
 
 

@@ -405,30 +405,6 @@ def test_host_memory_error_names_the_targets_in_force(llama, checkpointing, offl
     assert ("offload.all" in message) == ("all" in offload), message
 
 
-def test_engine_stash_is_bounded():
-    engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=2)
-
-    class Copy:  # a copy still in flight: query() says not done until synchronize() waits for it
-        def __init__(self):
-            self.done = False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.done = True
-
-    events = [Copy() for _ in range(5)]
-    engine.start_step()
-    for event in events:
-        saved = torch.ones(4)
-        copy = engine.pack(saved, "all").copy
-        engine._stash.append((event, saved, saved, saved._version, copy))
-        engine._trim_stash()
-        assert len(engine._stash) <= 2
-    assert [e.done for e in events] == [True, True, True, False, False]
-
-
 def test_engine_detects_an_edit_racing_the_copy():
     engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
 
@@ -442,7 +418,7 @@ def test_engine_detects_an_edit_racing_the_copy():
     engine.start_step()
     saved = torch.ones(4)
     packed = engine.pack(saved, "all")
-    engine._stash.append((InFlight(), saved, saved, saved._version, packed.copy))
+    engine._stash_push((InFlight(), saved, saved, saved._version, packed.copy))
     saved.mul_(2)  # the compute stream edits it while the (pretend) copy still reads it
     engine.finish_step()
     with pytest.raises(RuntimeError, match="edited in place while it was being copied"):

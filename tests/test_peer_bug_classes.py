@@ -87,7 +87,7 @@ def test_views_at_an_offset_and_transposes_come_back_as_the_same_views(checkpoin
 
 
 def test_neighbouring_views_of_one_storage_come_back_unclobbered(transfer):
-    engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=64)
+    engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_bytes=2**20)
     engine.start_step()
     storage = torch.arange(2 * 9 * 4, dtype=torch.float32).reshape(2, 9, 4)
     labels = torch.arange(2 * 9).reshape(2, 9)
@@ -110,7 +110,7 @@ def test_an_offset_view_is_read_only_after_its_reload_has_landed():
     # copies land only when waited for (until then their memory is poison): what compute reads of each unpacked
     # view, at once, must be its data, and its memory must be recorded to the stream that reads it.
     with SimulatedDevice() as sim:
-        engine = TransferEngine(torch.device("cpu"), stash_size=64, prefetch=0)
+        engine = TransferEngine(torch.device("cpu"), stash_bytes=2**20, prefetch=0)
         engine.start_step()
         base = torch.arange(80.0).reshape(8, 10)
         views = [base[3:], base[:, 2:7], base.t()[4:], base.reshape(-1)[1:]]
@@ -182,7 +182,7 @@ def test_a_reload_right_after_the_forward_waits_for_its_own_copy_to_the_host():
     # Backward that comes right after forward reloads tensors whose copy to the host has not finished: the reload
     # must be ordered after it (the simulator refuses a copy that reads host memory a pending copy writes).
     with SimulatedDevice() as sim:
-        engine = TransferEngine(torch.device("cpu"), stash_size=64, prefetch=0)
+        engine = TransferEngine(torch.device("cpu"), stash_bytes=2**20, prefetch=0)
         engine.start_step()
         saved = [torch.full((256,), float(i)) for i in range(3)]
         packed = [engine.pack(t, "all") for t in saved]
@@ -194,8 +194,8 @@ def test_a_reload_right_after_the_forward_waits_for_its_own_copy_to_the_host():
 
 
 def test_backward_right_after_forward_reloads_copies_still_in_flight(transfer):
-    # The same in training: four layer inputs, fewer than the stash holds, so forward never waits for a copy and
-    # every one is still in flight when backward starts reloading them.
+    # The same in training: the stash holds two layer inputs, so the last two are still in flight when backward
+    # starts reloading them.
     base = tiny_model("llama")
     reference = fit(clone(base))
     run = fit(clone(base), [ActivationCheckpointing(), ActivationOffload(hidden_states="cpu", copy_on_host=True)])

@@ -14,6 +14,7 @@ What the simulator cannot model (see lightning_ac/testing/simulated.py): its com
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import assert_same_training, clone, fit, tiny_model
@@ -119,18 +120,77 @@ def test_memory_recorded_to_compute_is_held_until_compute_passes_its_release():
 # -- the activation transfer engine ---------------------------------------------------------------------------
 
 
-def test_stash_bounds_the_copies_in_flight_and_round_trips_exactly():
-    tensors = [torch.randn(64) for _ in range(10)]
+def test_the_stash_holds_two_of_the_largest_tensors_and_the_compute_stream_waits_for_the_rest():
+    """What waits on the device for its copy to the host is bounded in bytes (two of the largest tensors offloaded,
+    by default): at the bound the compute stream, not the host, waits for the oldest copy. With copies that run only
+    when waited for, the device holds exactly the bound; forward asks the host to wait for nothing."""
+    tensors = [torch.randn(64) for _ in range(10)]  # 256 bytes each
     with SimulatedDevice() as sim:
-        engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_size=3)
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
         engine.start_step()
         packed = [engine.pack(t * 1, "all") for t in tensors]  # fresh compute outputs, dropped by the forward
+        assert sim.host.host_waits == 0, "the host waited on a copy in forward"
         out = [engine.unpack(p) for p in reversed(packed)][::-1]
         engine.finish_step()
     d2h = sim.streams[0].name
-    assert sim.peak_in_flight[d2h] == 4, "stash_size copies held, plus the one just issued"
+    assert sim.peak_in_flight_bytes[d2h] == 2 * 256 and sim.peak_in_flight[d2h] == 2
+    assert engine.stash_bound() == 2 * 256
     for a, b in zip(tensors, out):
         assert torch.equal(a, b)
+
+
+def test_the_stash_bound_in_bytes_holds_smaller_tensors_up_to_it():
+    sizes = [64, 16, 16, 16, 64, 16, 16]  # floats
+    with SimulatedDevice() as sim:
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True, stash_bytes=100 * 4)
+        engine.start_step()
+        tensors = [torch.randn(n) for n in sizes]
+        packed = [engine.pack(t * 1, "all") for t in tensors]
+        out = [engine.unpack(p) for p in reversed(packed)][::-1]
+        engine.finish_step()
+    d2h = sim.streams[0].name
+    assert sim.peak_in_flight_bytes[d2h] == (64 + 16 + 16) * 4, "64 + 16 + 16 floats fit 100; a fourth does not"
+    assert sim.host.host_waits == 2, "finish_step's end-of-step synchronize of both side streams, nothing before it"
+    for a, b in zip(tensors, out):
+        assert torch.equal(a, b)
+
+
+def test_a_steady_step_copies_into_pooled_pinned_buffers_only():
+    """Offload without recompute (``all: cpu``) moves every saved activation: after the first step every copy goes to
+    a pinned buffer from the pool (no new pinned allocation, nothing through pageable memory, which is synchronous
+    on a device), however much the step moves (no fixed cap on the pool: the host memory check bounds it)."""
+
+    class PerStep(pl.Callback):
+        def __init__(self, sim):
+            self.sim, self.pinned, self.pageable = sim, [], []
+
+        def on_train_batch_end(self, *args):
+            self.pinned.append(self.sim.host.pinned_allocations)
+            self.pageable.append(self.sim.host.pageable_copies)
+
+    base = tiny_model("llama")
+    reference = fit(clone(base), max_steps=3)
+    with SimulatedDevice() as sim:
+        per_step = PerStep(sim)
+        offload = ActivationOffload(all="cpu", min_offload_bytes=0, copy_on_host=True)
+        run = fit(clone(base), [offload, per_step], max_steps=3)
+    assert reference.losses == run.losses
+    assert per_step.pinned[0] > 0 and per_step.pinned == [per_step.pinned[0]] * 3, per_step.pinned
+    assert per_step.pageable == [0, 0, 0]
+    assert offload.request.max_pinned_bytes is None
+
+
+def test_the_pinned_pool_has_no_fixed_cap_below_what_a_step_moves():
+    """A step that moves more than 8 GiB (the pool's old cap; the H200's gpu-8k `offload_only` step moves about 10 GB)
+    still copies into pinned memory: the buffer is only reserved here, never written."""
+    with SimulatedDevice() as sim:
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
+        engine.start_step()
+        buffers = [engine._host_buffer(3 * 2**30) for _ in range(3)]
+        assert all(pinned for _, pinned in buffers) and sim.host.pinned_allocations == 3
+        capped = TransferEngine(torch.device("cpu"), copy_on_host=True, max_pinned_bytes=2**30)
+        assert capped._host_buffer(2**30)[1] and not capped._host_buffer(2**20)[1], "max_pinned_bytes still caps"
+        del buffers
 
 
 def test_an_edit_racing_the_copy_is_detected():
@@ -242,3 +302,37 @@ def test_a_new_host_buffer_waits_for_copies_still_reading_the_old_one():
         streamer.close()
     for block, weight in zip(blocks, expected):
         assert torch.equal(block.weight, weight)
+
+
+@pytest.mark.parametrize(
+    "offload", [{"hidden_states": "cpu"}, {"all": "cpu", "min_offload_bytes": 0}], ids=["hidden_states", "all"]
+)
+def test_the_estimates_held_copies_are_what_a_device_whose_copies_land_late_holds(offload):
+    """The estimate's fake step holds the device bytes awaiting their copy as if no copy finished early
+    (``hold_copies_in_flight``, on the synchronous path); on the simulated device, whose copies run only when waited
+    for, the stash holds the same bytes, and they are what the device's copy stream had in flight at most: the bound,
+    two of the largest tensors offloaded."""
+    from lightning_ac.offload.device import hold_copies_in_flight
+
+    class Held(pl.Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_end(self, *args):
+            engine = offloading.plan.activation_offload.engine
+            self.steps.append((engine.peak_held_bytes, engine.stash_bound()))
+
+    base = tiny_model("llama")
+    reference = fit(clone(base), [ActivationCheckpointing()], max_steps=2)
+    held = {}
+    for name, context in (("simulated", SimulatedDevice), ("held", hold_copies_in_flight)):
+        held[name] = Held()
+        offloading = ActivationOffload(copy_on_host=True, **offload)
+        with context() as sim:
+            run = fit(clone(base), [ActivationCheckpointing(), offloading, held[name]], max_steps=2)
+        assert_same_training(reference, run)
+        if name == "simulated":
+            in_flight = sim.peak_in_flight_bytes[sim.streams[0].name]
+    assert held["simulated"].steps == held["held"].steps
+    peak, bound = held["held"].steps[-1]
+    assert peak == bound == in_flight > 0

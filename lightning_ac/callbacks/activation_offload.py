@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 import lightning.pytorch as pl
 
@@ -37,7 +37,10 @@ class ActivationOffload(SuiteCallback):
             each layer's input). Cannot be combined with ``hidden_states``.
         copy_on_host: On a CPU device, still run the copies (tests, debugging).
         min_offload_bytes: ``all`` leaves smaller tensors on the device (copying them costs more than it saves).
-        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool.
+        max_pinned_bytes: Upper bound of the reusable pinned host-buffer pool, past which copies go through
+            pageable memory (synchronous on CUDA, and slower); ``None`` (default): the pool grows to what a step
+            moves, within the host memory check (``host_reserve_bytes``), so that a steady-state step allocates no
+            pinned memory.
         host_reserve_bytes: Host memory left free; offloading past ``MemAvailable`` minus this raises
             :class:`~lightning_ac.offload.HostMemoryError` instead of an OOM kill.
         verify_steps: Verify mode: each micro-batch of the first ``verify_steps`` optimizer steps runs once more
@@ -65,7 +68,7 @@ class ActivationOffload(SuiteCallback):
         all: Union[str, bool] = "none",
         copy_on_host: bool = False,
         min_offload_bytes: int = 2**16,
-        max_pinned_bytes: int = 8 * 2**30,
+        max_pinned_bytes: Optional[int] = None,
         host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
         verify_steps: int = 0,
         verify_atol: float = 0.0,

@@ -129,7 +129,7 @@ class ActivationOffloadRequest:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     copy_on_host: bool = False
     min_offload_bytes: int = 2**16
-    max_pinned_bytes: int = 8 * 2**30
+    max_pinned_bytes: Optional[int] = None
     host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES
     verify_steps: int = 0
     verify_atol: float = 0.0
@@ -145,8 +145,10 @@ class ActivationOffloadRequest:
         check_offload_targets(offload, where)
         request = cls(offload, **arguments)
         request.copy_on_host = bool(parse_bool(request.copy_on_host, f"{where}(copy_on_host=...)"))
-        for name in ("min_offload_bytes", "max_pinned_bytes", "host_reserve_bytes"):
+        for name in ("min_offload_bytes", "host_reserve_bytes"):
             parse_count(getattr(request, name), f"{where}({name}=...)")
+        if request.max_pinned_bytes is not None:  # None: no cap but the host memory check
+            parse_count(request.max_pinned_bytes, f"{where}(max_pinned_bytes=...)")
         parse_verify(request, where)
         return request
 

@@ -27,6 +27,8 @@ __all__ = [
     "async_device",
     "available_host_bytes",
     "check_host_budget",
+    "copies_held_in_flight",
+    "hold_copies_in_flight",
     "is_asynchronous",
     "host_copies",
     "stands_for_plain",
@@ -117,6 +119,28 @@ def check_host_budget(what: str, needed_bytes: int, limit_bytes: Optional[int], 
         f"{what} needs {format_bytes(needed_bytes)} of host memory, but only {format_bytes(limit_bytes)} is "
         f"available (MemAvailable minus a {format_bytes(reserve_bytes)} reserve). {fix}"
     )
+
+
+_held_in_flight = False  # inside hold_copies_in_flight()
+
+
+@contextlib.contextmanager
+def hold_copies_in_flight() -> Iterator[None]:
+    """Inside: a synchronous copy to the host keeps its device tensor in the engine's stash as an asynchronous
+    device keeps it while the copy is in flight, until the stash's bound makes the compute stream wait for it: as
+    if the bus never finished a copy early. The estimate's fake steps run here, so that the device bytes awaiting
+    their copy are counted as the slowest bus would leave them."""
+    global _held_in_flight
+    previous, _held_in_flight = _held_in_flight, True
+    try:
+        yield
+    finally:
+        _held_in_flight = previous
+
+
+def copies_held_in_flight() -> bool:
+    """Whether a :func:`hold_copies_in_flight` context is active."""
+    return _held_in_flight
 
 
 def is_asynchronous(device: torch.device) -> bool:

@@ -1,14 +1,20 @@
 """The transfer engine shared by the three offload targets: device -> host in forward, back in backward.
 
 On an accelerator, copies to the host run on a side stream ordered by events, so the compute stream never
-waits for a copy it does not need; device tensors stay referenced in a bounded stash until their copy has
-finished (so the allocator cannot reuse their memory early); host buffers come from a reusable pinned pool;
-backward prefetches the next tensors on a second stream; and :meth:`TransferEngine.finish_step` leaves
+waits for a copy it does not need; device tensors stay referenced in a stash until their copy has finished (so
+the allocator cannot reuse their memory early). The stash is bounded in bytes (by default two of the largest
+tensors the step has offloaded: two layer inputs under hidden-state offload): past the bound the compute stream,
+never the host, waits for the oldest copy, so the host keeps queueing kernels and the device holds at most the
+bound awaiting the bus. Host buffers come from a reusable pinned pool that grows to what a step moves (within the
+host memory check), so a steady-state step allocates no pinned memory and copies nothing through pageable
+memory; backward prefetches the next tensors on a second stream; and :meth:`TransferEngine.finish_step` leaves
 nothing in flight. The current stream is looked up at each use, since FSDP2 and recompute switch streams.
 
 On a CPU device there is nothing to gain, so offloading is off unless ``copy_on_host`` forces the full
 pack/unpack path (copies into separate host buffers), which runs the same bookkeeping synchronously: that
-is how the logic is tested without an accelerator.
+is how the logic is tested without an accelerator. Inside :func:`~lightning_ac.offload.device.hold_copies_in_flight`
+(the estimate's fake steps) the synchronous path holds each copy's device tensor in the stash as an accelerator
+does while the copy is in flight, as if no copy ever finished early: what the slowest bus leaves on the device.
 
 A tensor is moved exactly: the bytes of its storage that it can read (its extent) are copied, and the same
 size, stride and offset are rebuilt on the way back, so views, offsets, permutations and broadcast (stride-0)
@@ -25,7 +31,14 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_ac.offload.device import DeviceStreams, async_device, check_host_budget, host_limit, stands_for_plain
+from lightning_ac.offload.device import (
+    DeviceStreams,
+    async_device,
+    check_host_budget,
+    copies_held_in_flight,
+    host_limit,
+    stands_for_plain,
+)
 
 __all__ = ["OffloadStats", "Packed", "TransferEngine"]
 
@@ -78,6 +91,18 @@ class Packed:
     index: int  # position in this step's pack order, for prefetching
 
 
+class _HeldCopy:
+    """What stands for a copy's event on the synchronous path inside
+    :func:`~lightning_ac.offload.device.hold_copies_in_flight`: the copy counts as finished once something waited for
+    it, as on a device whose copies finish only when waited for (the simulated device): the compute stream at the
+    stash's bound, or backward reloading it or a later copy (copies to the host run in order)."""
+
+    done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
 def _byte_extent(tensor: torch.Tensor) -> Tuple[int, int]:
     """The bytes of its storage a tensor can read: exact for views, offsets, permutations and stride 0."""
     size = tensor.element_size()
@@ -92,8 +117,10 @@ class TransferEngine:
     Args:
         device: The training device.
         copy_on_host: On a CPU device, still copy into separate host buffers (tests, debugging).
-        max_pinned_bytes: Upper bound of the reusable pinned-buffer pool; larger needs use pageable memory.
-        stash_size: How many device tensors may wait for their copy to the host before forward blocks.
+        max_pinned_bytes: Upper bound of the reusable pinned-buffer pool, past which copies use pageable memory
+            (synchronous, slower); ``None`` (default): as much as a step moves, within the host memory check.
+        stash_bytes: How many device bytes may wait for their copy to the host; past it the compute stream
+            waits for the oldest copy. ``None`` (default): two of the largest tensors offloaded this step.
         prefetch: How many saves ahead backward brings back.
         host_reserve_bytes: Host memory left free: offloading past ``MemAvailable - reserve`` raises
             :class:`HostMemoryError` instead of letting the OOM killer end the run.
@@ -105,8 +132,8 @@ class TransferEngine:
         self,
         device: torch.device,
         copy_on_host: bool = False,
-        max_pinned_bytes: int = 8 * 2**30,
-        stash_size: int = 16,
+        max_pinned_bytes: Optional[int] = None,
+        stash_bytes: Optional[int] = None,
         prefetch: int = 1,
         host_reserve_bytes: int = 2 * 2**30,
         host_memory_fix: str = "Offload less, lower the batch size or sequence length, or add host memory.",
@@ -117,7 +144,7 @@ class TransferEngine:
         self.asynchronous = self._async is not None
         self.enabled = self.on_accelerator or copy_on_host
         self.max_pinned_bytes = max_pinned_bytes
-        self.stash_size = stash_size
+        self.stash_bytes = stash_bytes
         self.prefetch = prefetch
         self.host_reserve_bytes = host_reserve_bytes
         self.host_memory_fix = host_memory_fix
@@ -130,6 +157,9 @@ class TransferEngine:
         self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
         # (copy finished event, device bytes, the saved tensor, its version then, the copy)
         self._stash: Deque[Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]] = collections.deque()
+        self._stash_held = 0  # device bytes in the stash
+        self._largest = 0  # the largest copy of this step, in bytes: the automatic stash bound is two of them
+        self.peak_held_bytes = 0  # the most device bytes the stash held at once this step (awaiting their copy)
         self._pool: Dict[int, List[torch.Tensor]] = collections.defaultdict(list)
         self._pinned_bytes = 0
         self._host_limit: Optional[int] = None
@@ -141,6 +171,8 @@ class TransferEngine:
         """Reset per-step bookkeeping; read host memory once."""
         self.stats = collections.defaultdict(OffloadStats)
         self._bytes_this_step = 0
+        self._largest = 0
+        self.peak_held_bytes = 0
         if self._host_limit is None:
             self._host_limit = host_limit(self.host_reserve_bytes)
 
@@ -153,7 +185,7 @@ class TransferEngine:
         if self._streams is not None:
             self._streams.synchronize()
         while self._stash:
-            self._retire(self._stash.popleft())
+            self._retire(self._stash_pop())
         self._copies.clear()
         self._packed.clear()
         self.last_step = {name: s.as_dict() for name, s in self.stats.items()}
@@ -202,6 +234,7 @@ class TransferEngine:
                 "its host copy may be torn. Avoid the in-place edit, or register the op that produced it with "
                 "lightning_ac.register_mandatory_save (the forward then edits a clone)."
             )
+        self._release_finished()  # backward adds no copies: free what the bus has finished with
         data = self._reload(packed.copy)
         index = packed.index
         if self.prefetch and index < len(self._packed) and self._packed[index] is packed:
@@ -230,7 +263,8 @@ class TransferEngine:
         pool = self._pool.get(size)
         if pool:
             return pool.pop(), True
-        if self._async is not None and self._pinned_bytes + size <= self.max_pinned_bytes:
+        capped = self.max_pinned_bytes is not None and self._pinned_bytes + size > self.max_pinned_bytes
+        if self._async is not None and not capped:
             self._pinned_bytes += size
             return self._async.pinned_empty(size), True
         return torch.empty(size, dtype=torch.uint8, device="cpu"), False
@@ -260,9 +294,15 @@ class TransferEngine:
         copy = _HostCopy(host=host, storage=storage, version=tensor._version, start=start, nbytes=nbytes)
         if pinned:
             weakref.finalize(copy, self._return_to_pool, buffer)
+        self._largest = max(self._largest, nbytes)
         if self._async is None:
             host.copy_(source)
+            if copies_held_in_flight():  # as if the bus had not finished: the stash holds the device bytes
+                self._make_room(nbytes)
+                copy.event = _HeldCopy()
+                self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy))
             return copy
+        self._make_room(nbytes)
         streams = self._ensure_streams()
         streams.d2h.wait_stream(streams.current())  # after the kernels that produced the tensor
         # No wait on the reload stream: a pinned buffer returns to the pool only when its copy is collected, which
@@ -273,8 +313,7 @@ class TransferEngine:
             copy.event = streams.d2h.record_event()
         # Keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them, and
         # watch the version counter: an in-place edit on the compute stream could race with the copy.
-        self._stash.append((copy.event, source, tensor.detach(), tensor._version, copy))
-        self._trim_stash()
+        self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy))
         return copy
 
     @staticmethod
@@ -283,12 +322,38 @@ class TransferEngine:
         if tensor._version != version:
             copy.edited_in_flight = True
 
-    def _trim_stash(self) -> None:
+    def _stash_push(self, entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]) -> None:
+        self._stash.append(entry)
+        self._stash_held += entry[4].nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self._stash_held)
+
+    def _stash_pop(self) -> Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]:
+        entry = self._stash.popleft()
+        self._stash_held -= entry[4].nbytes
+        return entry
+
+    def stash_bound(self) -> int:
+        """The device bytes that may wait for their copy to the host now (``stash_bytes``, or two of the largest
+        tensors this step has offloaded)."""
+        return self.stash_bytes if self.stash_bytes is not None else 2 * self._largest
+
+    def _release_finished(self) -> None:
+        """Drop the device bytes of the oldest copies that have finished (asking the events; nothing waits)."""
         while self._stash and self._stash[0][0].query():
-            self._retire(self._stash.popleft())
-        while len(self._stash) > self.stash_size:
-            entry = self._stash.popleft()
-            entry[0].synchronize()  # the host waits, never the compute stream
+            self._retire(self._stash_pop())
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a copy of ``nbytes`` is issued: the stash with room for it within the bound (a tensor larger than
+        the bound waits alone)."""
+        self._release_finished()
+        while self._stash and self._stash_held + nbytes > self.stash_bound():
+            entry = self._stash_pop()
+            if isinstance(entry[0], _HeldCopy):
+                entry[0].done = True
+            else:
+                # The compute stream waits for the oldest copy, never the host: the host keeps queueing kernels,
+                # and the memory dropped here is reused only by kernels queued after the wait.
+                self._ensure_streams().current().wait_event(entry[0])
             self._retire(entry)
 
     def _ensure_streams(self) -> DeviceStreams:
@@ -304,6 +369,11 @@ class TransferEngine:
             data = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
             data.copy_(copy.host)
             copy.device_data = data
+            if isinstance(copy.event, _HeldCopy):  # reloading waits for this copy, and so for every earlier one
+                for entry in self._stash:
+                    entry[0].done = True
+                    if entry[4] is copy:
+                        break
             return data
         streams = self._ensure_streams()
         with streams.stream(streams.h2d):

@@ -25,7 +25,10 @@ something waits for it.
   it is freed, and, when it was ``record_stream``'d to a compute stream, until the device has reached the
   point where it was freed (an event recorded on that stream after it, synchronized). Peaks are in
   :attr:`SimulatedDevice.peak_bytes`; the most copies in flight on each stream in
-  :attr:`SimulatedDevice.peak_in_flight`.
+  :attr:`SimulatedDevice.peak_in_flight`, and the most bytes they read in :attr:`SimulatedDevice.peak_in_flight_bytes`
+  (the device memory a copy to the host keeps from reuse). The host's side (pinned buffers allocated, copies through
+  pageable memory, the host's waits) is counted in :attr:`SimulatedDevice.host`
+  (:class:`~lightning_ac.testing.host.HostCounters`).
 
 - **Synchronous transfers.** Inside :func:`~lightning_ac.offload.device.synchronous_transfers` (verify mode's
   reference pass) every copy runs as soon as it is issued.
@@ -50,6 +53,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac.offload.device import AsyncDevice, stand_in_for_cpu, transfers_are_synchronous
+from lightning_ac.testing.host import HostCounters
 from lightning_ac.testing.streams import Allocation, PendingCopy, SimStream, poison, storage_key, use_count
 
 __all__ = ["SimulatedDevice", "SimulatedDeviceError"]
@@ -68,6 +72,7 @@ class SimulatedDeviceError(RuntimeError):
 class _Stats:
     peak_bytes: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
     peak_in_flight: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    peak_in_flight_bytes: Dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
     copies: int = 0
 
 
@@ -77,14 +82,15 @@ class SimulatedDevice(AsyncDevice):
     Attributes:
         peak_bytes: Per allocation kind (the role up to ``:``), the most device bytes held at once.
         peak_in_flight: Per stream name, the most copies issued and not yet run.
+        peak_in_flight_bytes: Per stream name, the most bytes that copies issued and not yet run read at once.
         copies: Copies run.
+        host: The host's side of the copies: pinned allocations, pageable copies, the host's waits.
         pinned_in_place: Host buffers page-locked in place and not yet unpinned: data pointer -> bytes.
     """
 
     def __init__(self, faults: Sequence[str] = ()) -> None:
-        unknown = set(faults) - set(FAULTS)
-        if unknown:
-            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        if set(faults) - set(FAULTS):
+            raise ValueError(f"unknown fault(s) {sorted(set(faults) - set(FAULTS))}; known: {', '.join(FAULTS)}")
         self.faults = list(faults)  # each injected once, into the first asynchronous transfer it can affect
         self.device = torch.device("cpu")
         self.compute = SimStream(self, "compute", compute=True)
@@ -96,6 +102,7 @@ class SimulatedDevice(AsyncDevice):
         self._errors: List[str] = []
         self._previous: Optional[AsyncDevice] = None
         self.pinned_in_place: Dict[int, int] = {}
+        self.host = HostCounters()
 
     # -- activation ---------------------------------------------------------------------------------------
 
@@ -117,15 +124,20 @@ class SimulatedDevice(AsyncDevice):
         return dict(self._stats.peak_in_flight)
 
     @property
+    def peak_in_flight_bytes(self) -> Dict[str, int]:
+        return dict(self._stats.peak_in_flight_bytes)
+
+    @property
     def copies(self) -> int:
         return self._stats.copies
 
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return self._allocation(tensor) is not None
+
     def synchronize(self) -> None:
         """The whole device idle: every stream run to its end, the compute stream too."""
-        for stream in self.streams:
-            stream.synchronize()
-        for stream in self.compute_streams:
-            stream.synchronize()
+        for stream in [*self.streams, *self.compute_streams]:
+            stream.run_until(stream.issued)
         self.poll()
 
     # -- AsyncDevice ----------------------------------------------------------------------------------------
@@ -167,7 +179,7 @@ class SimulatedDevice(AsyncDevice):
         if stream.compute:
             held, stream.held_waits = stream.held_waits, []
             for event in held:
-                event.synchronize()
+                event.stream.run_until(event.seq)
 
     def _empty(self, shape: Any, dtype: torch.dtype, role: str) -> torch.Tensor:
         """Device memory, allocated on the current stream (poisoned, counted)."""
@@ -190,6 +202,7 @@ class SimulatedDevice(AsyncDevice):
         return tensor
 
     def copy_to_host(self, host: torch.Tensor, source: torch.Tensor, role: str) -> None:
+        self.host.copy(host)
         stream = self.current_stream()
         if not stream.compute and self._allocation(source) is None:
             computing = self.computing()
@@ -204,6 +217,7 @@ class SimulatedDevice(AsyncDevice):
         self._enqueue(host, source, role)
 
     def to_device(self, host: torch.Tensor, role: str) -> torch.Tensor:
+        self.host.copy(host)
         out = self._empty(host.shape, host.dtype, role)
         self._enqueue(out, host, role)
         return out
@@ -221,8 +235,10 @@ class SimulatedDevice(AsyncDevice):
         # apart from the simulator's (the storage's use count).
         copy = PendingCopy(dst.detach(), src.detach(), role, stream._next())
         stream.queue.append(copy)
-        in_flight = len(stream.pending_copies())
-        self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], in_flight)
+        pending = stream.pending_copies()
+        self._stats.peak_in_flight[stream.name] = max(self._stats.peak_in_flight[stream.name], len(pending))
+        reading = self._stats.peak_in_flight_bytes  # the bytes the pending copies read: memory kept from reuse
+        reading[stream.name] = max(reading[stream.name], sum(p.src.numel() * p.src.element_size() for p in pending))
         if transfers_are_synchronous():
             stream.synchronize()  # the copy has run before the call that issued it returns
         elif self.inject("early_release"):
@@ -254,14 +270,14 @@ class SimulatedDevice(AsyncDevice):
         return allocation.recorded_to if allocation is not None else None
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)  # host memory is host memory here
+        return self.host.pinned(torch.empty(nbytes, dtype=torch.uint8), allocated=True)  # host memory is host memory
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return self.host.pinned(tensor)
 
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
         self.pinned_in_place[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
-        return buffer
+        return self.host.pinned(buffer)
 
     def unpin(self, buffer: torch.Tensor) -> None:
         if self.pinned_in_place.pop(buffer.data_ptr(), None) is None:

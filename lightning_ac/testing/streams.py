@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -41,6 +41,13 @@ class Simulator(Protocol):
 
     def computing(self) -> SimStream:
         """The compute stream the CPU's ops run on now."""
+
+    @property
+    def host(self) -> Any:
+        """The host-side counts (:class:`~lightning_ac.testing.host.HostCounters`): the host's waits among them."""
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is device memory the simulator allocated (what a copy to the device writes)."""
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -112,7 +119,8 @@ class SimEvent:
         return self.stream.completed >= self.seq
 
     def synchronize(self) -> None:
-        """Run the stream up to this point."""
+        """The host waits until the stream has passed this point (counted: :attr:`SimulatedDevice.host_waits`)."""
+        self.stream.sim.host.host_waits += 1
         self.stream.run_until(self.seq)
 
 
@@ -140,12 +148,12 @@ class SimStream:
     def wait_event(self, event: SimEvent) -> None:
         self.sim.poll()
         if self.compute:
-            if event.stream is not self and self.sim.inject("skip_wait"):
-                return  # the fault: compute goes on without waiting for the copy
+            if self._reads_a_copy(event) and self.sim.inject("skip_wait"):
+                return  # the fault: compute goes on without waiting for a copy it reads
             if self is not self.sim.computing():
                 self.held_waits.append(event)  # this stream's next op comes after the event, not the running one's
                 return
-            event.synchronize()  # compute is the CPU: its next op runs now, after the event
+            event.stream.run_until(event.seq)  # compute is the CPU: its next op runs now, after the event
             return
         if event.stream.compute:
             self.waited_on.add(event.stream)
@@ -153,10 +161,18 @@ class SimStream:
         self.queue.append(StreamWait(event.stream, event.seq))
         self._next()
 
+    def _reads_a_copy(self, event: SimEvent) -> bool:
+        """Whether waiting for ``event`` orders compute after a pending copy into device memory (what compute then
+        reads); a wait for a copy to the host only keeps its source from reuse."""
+        pending = [p for p in event.stream.pending_copies() if p.seq <= event.seq]
+        return event.stream is not self and any(self.sim.on_device(p.dst) for p in pending)
+
     def wait_stream(self, stream: SimStream) -> None:
         self.wait_event(stream.record_event())
 
     def synchronize(self) -> None:
+        """The host waits until the stream has run everything queued (counted as :meth:`SimEvent.synchronize`)."""
+        self.sim.host.host_waits += 1
         self.run_until(self.issued)
 
     def run_until(self, seq: int) -> None:

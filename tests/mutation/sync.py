@@ -38,7 +38,7 @@ def _mutation(statement: ast.stmt, source: str, source_line: str) -> Optional[tu
     indent = source_line[: len(source_line) - len(source_line.lstrip())]
     names = _call_names(statement)
     text = ast.get_source_segment(source, statement) or source_line.strip()  # without a trailing comment
-    if "_stash.append" in text:
+    if "_stash_push(" in text:
         return indent + "pass", "stash hold (device bytes kept until their copy finishes)"
     if not SYNC_CALLS & set(names):
         return None

@@ -1,0 +1,43 @@
+"""What the simulated asynchronous device counts on the host's side of its copies: pinned buffers allocated, copies
+through pageable memory (synchronous on a device: the engines' pinned pool ran out), and the host's waits for the
+device (a copy engine's host should wait only where the compute stream needs what it waits for)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_ac.testing.streams import storage_key
+
+__all__ = ["HostCounters"]
+
+
+class HostCounters:
+    """The simulated device's host-side counts (:attr:`~lightning_ac.testing.simulated.SimulatedDevice.host`).
+
+    Attributes:
+        pinned_allocations: Pinned host buffers allocated (``pinned_empty``).
+        pageable_copies: Copies between the device and host memory that was not pinned.
+        host_waits: Times the host waited for the device (an event's or a side stream's ``synchronize``; the
+            device's own ``synchronize``, a test's, not counted).
+    """
+
+    def __init__(self) -> None:
+        self.pinned_allocations = 0
+        self.pageable_copies = 0
+        self.host_waits = 0
+        self._pinned: Dict[int, StorageWeakRef] = {}  # pinned host memory, by storage
+
+    def pinned(self, buffer: torch.Tensor, allocated: bool = False) -> torch.Tensor:
+        """Record ``buffer``'s memory as pinned (``allocated``: by a new pinned allocation)."""
+        self.pinned_allocations += allocated
+        self._pinned[storage_key(buffer)] = StorageWeakRef(buffer.untyped_storage())
+        return buffer
+
+    def copy(self, host: torch.Tensor) -> None:
+        """A copy to or from ``host``: counted when its memory is not pinned."""
+        pinned = self._pinned.get(storage_key(host))
+        if pinned is None or pinned.expired():
+            self.pageable_copies += 1
