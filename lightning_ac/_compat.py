@@ -37,6 +37,7 @@ from packaging.version import Version
 __all__ = [
     "CHECKPOINT_TAKES_RESPECT_HOOKS",
     "SAC_STORAGE_INDEXED",
+    "SAC_POLICY_SEES_OUTPUT",
     "SELF_CHECKED",
     "TESTED",
     "cached_dispatch_mode",
@@ -65,6 +66,10 @@ CHECKPOINT_TAKES_RESPECT_HOOKS = (
 
 # torch >= 2.13: storage[op] maps invocation index -> entry; before: a FIFO list of the saved entries
 SAC_STORAGE_INDEXED = hasattr(torch.utils.checkpoint, "_sac_storage_key")
+
+# torch >= 2.13: SAC asks the policy about an op after running it, and hands it the output (what the policy saves is
+# known there, without a dispatch mode of ours); before: the policy is asked first, without the output
+SAC_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(torch.utils.checkpoint.SelectiveCheckpointContext).parameters
 
 
 def installed_release(package: str) -> Optional[str]:

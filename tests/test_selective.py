@@ -377,6 +377,9 @@ def test_apply_selective_checkpointing_errors():
         ("aten::_scaled_dot_product_efficient_attention", True),
         ("aten::_efficient_attention_forward", True),
         ("aten::_scaled_dot_product_cudnn_attention", True),
+        ("aten::_cudnn_attention_forward", True),
+        ("aten::_scaled_dot_product_fused_attention_overrideable", True),
+        ("aten::_scaled_dot_product_attention_math_for_mps", True),
         ("flash_attn::_flash_attn_forward", True),
         ("flash_attn_3::fwd", True),
         ("kernels_flash_attn_abc::_flash_attn_varlen_forward", True),
@@ -384,6 +387,7 @@ def test_apply_selective_checkpointing_errors():
         ("flash_attn::_flash_attn_backward", False),
         ("aten::bmm", False),
         ("aten::_softmax", False),
+        ("aten::_safe_softmax", False),  # SDPA's math backend: its output bmm is saved instead
     ],
 )
 def test_attention_names(name, expected):
@@ -394,3 +398,43 @@ def test_matmul_k():
     a, b = torch.ones(3, 5), torch.ones(5, 7)
     assert matmul_k("aten::mm", (a, b)) == 5
     assert matmul_k("aten::addmm", (torch.ones(7), a, b)) == 5
+
+
+def test_the_policy_decides_once_per_op_kind_and_adds_no_dispatch_mode_once_it_has_diagnosed(monkeypatch):
+    """SAC's own cost: torch's selective checkpointing is a dispatch mode that asks a policy about each op; ours added
+    per op a decision worked out again for each call and a dispatch mode of its own in the forward and the recompute
+    (1.22x torch's step on a tiny Llama on the CPU). Now an op's kind decides (only attention is asked per call: a
+    sliding window, SDPA's math backend), torch hands the policy the op's output (what was saved is recorded there),
+    and the replay is watched for the first backward's diagnostics only: after the first step no mode of ours runs."""
+    from lightning_ac.selective.modes import ForwardMode, RecomputeMode
+    from lightning_ac.selective.rules import OpRules
+
+    calls = {"decided": [], "forward mode": [], "recompute mode": []}
+    step = [0]
+
+    def counting(name, method):
+        def spy(*args, **kwargs):
+            calls[name].append(step[0])
+            return method(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(OpRules, "_decide", counting("decided", OpRules._decide))
+    for name, mode in (("forward mode", ForwardMode), ("recompute mode", RecomputeMode)):
+        monkeypatch.setattr(mode, "__torch_dispatch__", counting(name, mode.__torch_dispatch__))
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, *args):
+            step[0] += 1
+
+    base = tiny_model("llama")
+    reference = fit(clone(base), max_steps=3)
+    callback = ActivationCheckpointing(selective={"save": ["attention"]})
+    run = fit(clone(base), [callback, Steps()], max_steps=3)
+    assert reference.losses == run.losses
+    later = [s for s in calls["decided"] if s > 0]
+    assert len(later) == 2 * 4, "steps 1 and 2 asked again about one op per layer: attention (4 layers)"
+    # 19 here: 15 kinds of op and the 4 attention calls, of about 40 ops in each of the 4 layers' forwards
+    assert 0 < calls["decided"].count(0) < 30, "the first step decided each kind of op once"
+    assert calls["forward mode"] == [] and [s for s in calls["recompute mode"] if s > 0] == []
+    assert calls["recompute mode"], "the first backward's replay was watched (the diagnostics)"

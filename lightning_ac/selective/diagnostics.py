@@ -1,12 +1,12 @@
 """What a selective policy's rules did, turned into problems a user can act on: a ``save`` entry that matched no
-op, a ``save_modules`` entry whose modules never ran or whose saves no recompute replayed, a matmul threshold no
-matmul reached."""
+op, ``attention`` that ran SDPA's math backend (only its output saved), a ``save_modules`` entry whose modules never
+ran or whose saves no recompute replayed, a matmul threshold no matmul reached."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional
 
-__all__ = ["no_match", "no_matmul_reached", "problems", "traced_problems"]
+__all__ = ["math_attention", "no_match", "no_matmul_reached", "problems", "traced_problems"]
 
 # ``policy`` below is a SelectivePolicy, read for its rules' statistics (typed Any: the policy imports this module)
 
@@ -24,6 +24,20 @@ def no_match(entry: str, where: str) -> str:
     )
 
 
+def math_attention(calls: int) -> str:
+    """The problem of ``attention`` calls that ran SDPA's math backend, of which only the output is saved."""
+    return (
+        f"selective.save entry 'attention': {calls} attention calls ran SDPA's math backend, which is aten ops "
+        "(QK^T, softmax, probs @ V), not one kernel. `attention` saves their output (probs @ V: as much memory as a "
+        "fused kernel's output), but the recompute still replays QK^T and the softmax: the backward needs the "
+        "probabilities, seq x seq per head, and keeping them would cost the memory checkpointing saves. SDPA falls "
+        "back to math when no fused kernel takes the call: float32 on CUDA with grouped-query heads (flash and cuDNN "
+        "take only float16/bfloat16, the efficient kernel refuses enable_gqa), attention dropout on the CPU, or a "
+        "backend forced with torch.nn.attention.sdpa_kernel. To save the whole attention, let a fused kernel run: "
+        "train in bfloat16 (precision='bf16-mixed' or a bf16 model), or set attention_dropout to 0."
+    )
+
+
 def no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
     """The problem of a ``save_matmul_min_k`` that no matmul reached."""
     return (
@@ -33,9 +47,10 @@ def no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
 
 
 def problems(policy: Any) -> List[str]:
-    """The rules of ``policy`` that saved nothing useful so far, one sentence each. Under ``torch.compile``, what
-    tracing tells: the rules that matched no op in the graphs traced with this policy (none before a graph is traced:
-    one traced for an earlier run serves this one too); whether a recompute replays a save is not known there."""
+    """The rules of ``policy`` that saved nothing useful so far, or less than they name, one sentence each. Under
+    ``torch.compile``, what tracing tells: the rules that matched no op in the graphs traced with this policy (none
+    before a graph is traced: one traced for an earlier run serves this one too); whether a recompute replays a save
+    is not known there."""
     if policy.compiled:
         return traced_problems(policy)
     found = [
@@ -43,6 +58,8 @@ def problems(policy: Any) -> List[str]:
         for entry, rule in policy.save_rules.items()
         if rule.matched_ops == 0
     ]
+    if policy.rules.math_attention_calls and "attention" in policy.save_rules:
+        found.append(math_attention(policy.rules.math_attention_calls))
     for entry, rule in policy.module_rules.items():
         if rule.modules and rule.hook_calls == 0:
             found.append(f"selective.save_modules entry {entry!r} matched {rule.modules} modules, but none ran.")

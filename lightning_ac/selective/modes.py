@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from lightning_ac.selective.ops import op_name
 
@@ -52,6 +53,8 @@ class Region:
     mandatory: set = field(default_factory=set)
     replayed_ops: int = 0
     saved_bytes: int = 0  # what the saved outputs hold
+    math_softmax: bool = False  # SDPA's math backend ran its softmax: the next bmm is its output (ops.py)
+    mandatory_saves: bool = False  # a registered mandatory save exists: the modes clone its outputs
 
 
 # decide(region, func, args, kwargs, count=...) -> the rule that saves the op, or None to recompute it
@@ -75,9 +78,10 @@ def tensor_bytes(out: Any) -> int:
     return total
 
 
-def is_skipped(name: str) -> bool:
-    # checkpoint's recompute adds detaches of its own; leaving them out keeps forward and replay indices aligned
-    return name == "aten::detach"
+def is_skipped(func: Any) -> bool:
+    # the ops torch's SAC ignores (checkpoint's recompute adds detaches of its own): leaving them out keeps the
+    # forward's indices, the replay's and those of the policy's own count (torch asks it about the others) aligned
+    return func in SAC_IGNORED_OPS
 
 
 class ForwardMode(TorchDispatchMode):
@@ -91,9 +95,9 @@ class ForwardMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = op_name(func)
-        if is_skipped(name):
+        if is_skipped(func):
             return func(*args, **kwargs)
+        name = op_name(func)
         region = self.region
         region.last_rule = None
         out = func(*args, **kwargs)  # torch's SAC mode below consults the policy, which sets last_rule
@@ -120,7 +124,7 @@ class DryRunMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not is_skipped(op_name(func)) and self.decide(self.region, func, args, kwargs, count=False):
+        if not is_skipped(func) and self.decide(self.region, func, args, kwargs, count=False):
             self.region.saved_bytes += tensor_bytes(out)
         return out
 
@@ -135,7 +139,7 @@ class RecomputeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_skipped(op_name(func)):
+        if is_skipped(func):
             return func(*args, **kwargs)
         region = self.region
         index, region.replayed_ops = region.replayed_ops, region.replayed_ops + 1

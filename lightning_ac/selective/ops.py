@@ -7,9 +7,21 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ATTENTION_PATTERNS", "MATMUL_OPS", "is_attention", "is_matmul", "matmul_k", "op_name", "sliding_window_of"]
+__all__ = [
+    "ATTENTION_PATTERNS",
+    "MATH_ATTENTION_OPS",
+    "MATH_ATTENTION_OUTPUT",
+    "MATH_ATTENTION_SOFTMAX",
+    "MATMUL_OPS",
+    "is_attention",
+    "is_matmul",
+    "matmul_k",
+    "op_name",
+    "sliding_window_of",
+]
 
-# What `save: [attention]` names. Matched as substrings of the qualified op name; backward ops never match.
+# What `save: [attention]` names: one kernel per SDPA backend (SDPBackend) but math, and flash-attention ops. Matched
+# as substrings of the qualified op name; backward ops never match.
 ATTENTION_PATTERNS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention",
@@ -17,11 +29,21 @@ ATTENTION_PATTERNS = (
     "aten::_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention",
     "aten::_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable",  # SDPBackend.OVERRIDEABLE (XPU, out-of-tree devices)
+    "aten::_scaled_dot_product_attention_math_for_mps",  # the math backend on MPS is one kernel
     "aten::_flash_attention_forward",
     "flash_attn::",  # FA2 custom ops
     "flash_attn_3::",  # FA3
     "_flash_attn_",  # hub kernels register e.g. <kernel_ns>::_flash_attn_forward / _flash_attn_varlen_forward
 )
+# SDPA's math backend, where no fused kernel takes a call (float32 on CUDA with grouped-query heads: flash and cuDNN
+# take only half precision, the efficient kernel no enable_gqa; dropout on the CPU), is aten ops, not one kernel:
+# QK^T (bmm), the mask, `_safe_softmax` (eager attention calls `_softmax` instead), dropout, then probs @ V (bmm). Its
+# output is the first bmm after `_safe_softmax`: `attention` saves that one. The probabilities (seq x seq per head)
+# stay recomputed: the backward needs them, and keeping them is the memory checkpointing exists to drop.
+MATH_ATTENTION_SOFTMAX = "aten::_safe_softmax"
+MATH_ATTENTION_OUTPUT = "aten::bmm"
+MATH_ATTENTION_OPS = frozenset({MATH_ATTENTION_SOFTMAX, MATH_ATTENTION_OUTPUT})
 # Matmuls whose output the module and threshold rules may save. bmm is left out on purpose: in math
 # attention its K is the sequence length, not a projection's in_features. In-place variants never match.
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_grouped_mm"})

@@ -1,19 +1,16 @@
 """The selective activation checkpointing (SAC) policy.
 
 Built on torch's selective-checkpoint API (eager): for every op in a checkpointed region's forward, the
-policy decides to save its output or recompute it. Decisions, in order:
+policy decides to save its output or recompute it (:class:`~lightning_ac.selective.rules.OpRules`).
 
-1. plugin-registered saves (mandatory, then preferred);
-2. attention calls in sliding-window layers are recomputed unless ``save_sliding_window``;
-3. ``save`` entries (``attention`` names the attention kernels; others are op-name substrings);
-4. matmuls inside ``save_modules``;
-5. matmuls whose contraction dim reaches ``save_matmul_min_k``.
-
-A dispatch mode sits above torch's SAC mode in each region. In the forward it records which rule saved
-which op and hands the forward a clone of each mandatory save (so an in-place edit cannot corrupt the
-cached tensor); in the recompute it counts how far the replay got, which tells whether a saved tensor was
-ever used. The storage of saved tensors comes from ``storage_factory`` (torch's SAC contexts by default), the
-seam through which an offloading storage can replace it.
+torch's SAC mode asks the policy about each op after running it (torch >= 2.13 hands it the op's output): the policy
+records there which rule saved which op and what the saves hold. A dispatch mode of ours joins torch's only where
+that cannot do: in the forward, to hand the forward a clone of each mandatory save (so an in-place edit cannot
+corrupt the cached tensor) and, on a torch that does not hand the policy the output, to record the saves; in the
+recompute, to count how far the replay got (which tells the diagnostics whether a saved tensor was ever used: the
+first backward only) and to clone mandatory saves again. Each such mode costs a Python call per op, as much as torch's
+own SAC adds. The storage of saved tensors comes from ``storage_factory`` (torch's SAC contexts by default), the seam
+through which an offloading storage can replace it.
 """
 
 from __future__ import annotations
@@ -29,14 +26,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import lightning_ac.selective.diagnostics as diagnostics
-from lightning_ac._compat import sac_saves_bypass_saved_tensor_hooks
+from lightning_ac._compat import SAC_POLICY_SEES_OUTPUT, sac_saves_bypass_saved_tensor_hooks
 from lightning_ac._logging import LightningACWarning, log, rank_zero_warn
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import SelectiveConfig
 from lightning_ac.selective.matching import match_modules
-from lightning_ac.selective.modes import DryRunMode, ForwardMode, RecomputeMode, Region, RuleStats
-from lightning_ac.selective.ops import is_attention, is_matmul, matmul_k, op_name, sliding_window_of
-from lightning_ac.selective.registry import RegisteredSave, registered_saves
+from lightning_ac.selective.modes import DryRunMode, ForwardMode, RecomputeMode, Region, RuleStats, tensor_bytes
+from lightning_ac.selective.ops import op_name
+from lightning_ac.selective.registry import registered_saves
+from lightning_ac.selective.rules import OpRules
 
 __all__ = ["RuleStats", "SelectiveCheckpointingWarning", "SelectivePolicy", "StorageFactory"]
 
@@ -78,12 +76,10 @@ class SelectivePolicy:
         self.layer_types = list(layer_types) if layer_types is not None else [None] * len(self.layers)
         self.storage_factory: StorageFactory = storage_factory or create_selective_checkpoint_contexts
         self.diagnose_after = diagnose_after if diagnose_after is not None else max(1, len(self.layers))
-        self.save_rules = {entry: RuleStats(f"save: {entry}") for entry in config.save}
-        self.module_rules = {entry: RuleStats(f"save_modules: {entry}") for entry in config.save_modules}
-        self.threshold_rule = (
-            RuleStats(f"save_matmul_min_k: {config.save_matmul_min_k}") if config.save_matmul_min_k else None
-        )
-        self.registered_rules: Dict[int, RuleStats] = {}
+        self.rules = OpRules(config)
+        self.save_rules, self.module_rules = self.rules.save_rules, self.rules.module_rules
+        self.threshold_rule, self.registered_rules = self.rules.threshold_rule, self.rules.registered_rules
+        self.decide, self.recomputes_attention = self.rules.decide, self.rules.recomputes_attention
         self.saved_ops_per_layer: Dict[int, Counter] = {}
         self.saved_bytes_per_layer: Dict[int, int] = {}
         self.regions = 0
@@ -93,7 +89,7 @@ class SelectivePolicy:
         self._module_names = module_names
         # For each save_modules entry, the modules whose matmuls it saves (filled by install)
         self.matched_modules: Dict[str, List[nn.Module]] = {}
-        self._active: Counter = Counter()
+        self._active: Counter = self.rules.active
         self._current_layer: Optional[int] = None
         self._handles: List[Any] = []
 
@@ -146,65 +142,6 @@ class SelectivePolicy:
 
     # -- the policy --------------------------------------------------------------------------------------
 
-    def _registered_rule(self, entry: RegisteredSave) -> RuleStats:
-        rule = self.registered_rules.get(id(entry))
-        if rule is None:
-            kind = "register_mandatory_save" if entry.mandatory else "register_preferred_save"
-            rule = self.registered_rules[id(entry)] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
-        return rule
-
-    def decide(self, region: Region, func: Any, args: tuple, kwargs: dict, count: bool = True) -> Optional[RuleStats]:
-        """The rule that saves this op, or ``None`` to recompute it.
-
-        Args:
-            region: The checkpointed call the op runs in.
-            func: The op.
-            args: Its positional arguments.
-            kwargs: Its keyword arguments.
-            count: Count the match in the rule's statistics (not when a recompute asks again).
-        """
-        name = op_name(func)
-        for entry in registered_saves():
-            if entry.matches(name):
-                rule = self._registered_rule(entry)
-                rule.matched_ops += count
-                return rule
-        schema = getattr(func, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            return None  # an in-place op's output aliases its input: never cache it
-        cfg = self.config
-        attention = is_attention(name)
-        for entry, rule in self.save_rules.items():
-            if (attention and entry == "attention") or (
-                entry != "attention" and entry in name and "backward" not in name
-            ):
-                rule.matched_ops += count
-                if attention and (
-                    self.recomputes_attention(region.layer_type)
-                    or (not cfg.save_sliding_window and sliding_window_of(func, args, kwargs))
-                ):
-                    return None  # sliding-window attention: cheap to recompute, not worth the memory
-                return rule
-        if not is_matmul(name):
-            return None
-        for entry, depth in self._active.items():
-            if depth > 0:
-                rule = self.module_rules[entry]
-                rule.matched_ops += count
-                return rule
-        if self.threshold_rule is not None:
-            k = matmul_k(name, args)
-            if k is not None:
-                self.threshold_rule.max_k = max(self.threshold_rule.max_k, k)
-                if k >= (cfg.save_matmul_min_k or 0):
-                    self.threshold_rule.matched_ops += count
-                    return self.threshold_rule
-        return None
-
-    def recomputes_attention(self, layer_type: Optional[str]) -> bool:
-        """Whether ``save: [attention]`` gives way to recompute in layers of this type (sliding windows)."""
-        return not self.config.save_sliding_window and layer_type in self.config.recompute_layer_types
-
     def set_checkpointed(self, checkpointed: Sequence[bool]) -> None:
         """Tell the policy which layers the recompute engine checkpoints: the diagnostics run once each of them
         has been recomputed (one full backward)."""
@@ -254,12 +191,22 @@ class SelectivePolicy:
         """The eager ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
         layer = self._current_layer
         region = Region(layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None)
+        self.rules.refresh()
+        region.mandatory_saves = any(entry.mandatory for entry in registered_saves())
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             # torch < 2.13 asks again in the recompute (whether to take the op's output from the storage): the same
             # decision, not counted in the rules' statistics a second time
             rule = self.decide(region, func, args, kwargs, count=not ctx.is_recompute)
-            region.last_rule = rule
+            output = getattr(ctx, "op_output", ForwardMode)  # torch >= 2.13: the op has run (ForwardMode: unknown)
+            if region.mandatory_saves or output is ForwardMode:
+                region.last_rule = rule  # for ForwardMode, which records the saves
+            elif not ctx.is_recompute:
+                index, region.ops = region.ops, region.ops + 1
+                if rule is not None:
+                    region.saved.append((index, rule, op_name(func)))
+                    region.saved_bytes += tensor_bytes(output)
+                    rule.saved += 1
             if rule is None:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE if rule.mandatory else CheckpointPolicy.PREFER_SAVE
@@ -291,6 +238,7 @@ class SelectivePolicy:
         """Around a call of decoder layer ``index`` that runs without the policy: ``region.saved_bytes`` becomes what
         the policy would have saved in it. Counts nothing in the rules' statistics."""
         region = Region(index, self.layer_types[index] if index < len(self.layer_types) else None)
+        self.rules.refresh()
         with DryRunMode(self.decide, region):
             yield region
 
@@ -298,7 +246,8 @@ class SelectivePolicy:
     def _forward_context(self, region: Region, storage: Any) -> Iterator[None]:
         self._active.clear()  # a recompute stopped early can leave a module hook unbalanced
         self.regions += 1
-        with storage, ForwardMode(region):
+        watch = region.mandatory_saves or not SAC_POLICY_SEES_OUTPUT
+        with storage, ForwardMode(region) if watch else contextlib.nullcontext():
             yield
         if region.layer is not None:
             self.saved_ops_per_layer[region.layer] = Counter(name for _, _, name in region.saved)
@@ -307,12 +256,14 @@ class SelectivePolicy:
     @contextlib.contextmanager
     def _recompute_context(self, region: Region, storage: Any) -> Iterator[None]:
         region.replayed_ops = 0
+        region.math_softmax = False  # the replay asks again in the forward's order (torch < 2.13)
+        watch = region.mandatory_saves or not self.diagnosed  # the replay's reach: for the first diagnostics only
         try:
-            with storage, RecomputeMode(region):
+            with storage, RecomputeMode(region) if watch else contextlib.nullcontext():
                 yield
         finally:
             self._active.clear()
-            for index, rule, _ in region.saved:
+            for index, rule, _ in region.saved if watch else ():
                 if index < region.replayed_ops:
                     rule.replayed += 1
             self.recomputes += 1

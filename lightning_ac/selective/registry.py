@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Union
 
-__all__ = ["RegisteredSave", "register_mandatory_save", "register_preferred_save", "registered_saves"]
+__all__ = [
+    "RegisteredSave",
+    "register_mandatory_save",
+    "register_preferred_save",
+    "registered_saves",
+    "registry_version",
+]
 
 OpSpec = Union[str, Any]  # a qualified-name substring ("aten::topk") or a torch op (torch.ops.aten.topk)
 
@@ -26,11 +32,14 @@ class RegisteredSave:
         return self.pattern in name and "backward" not in name
 
     def remove(self) -> None:
+        global _version
         if self in _REGISTRY:
             _REGISTRY.remove(self)
+            _version += 1
 
 
 _REGISTRY: List[RegisteredSave] = []
+_version = 0  # counts the changes to the registry: policies forget the decisions they cached by op kind
 
 
 def _pattern(op: OpSpec) -> str:
@@ -61,8 +70,10 @@ def register_mandatory_save(op: OpSpec) -> RegisteredSave:
     Returns:
         A handle whose ``remove()`` unregisters the save.
     """
+    global _version
     entry = RegisteredSave(_pattern(op), mandatory=True)
     _REGISTRY.insert(sum(e.mandatory for e in _REGISTRY), entry)  # mandatory saves stay first
+    _version += 1
     return entry
 
 
@@ -75,11 +86,18 @@ def register_preferred_save(op: OpSpec) -> RegisteredSave:
     Returns:
         A handle whose ``remove()`` unregisters the save.
     """
+    global _version
     entry = RegisteredSave(_pattern(op), mandatory=False)
     _REGISTRY.append(entry)
+    _version += 1
     return entry
 
 
 def registered_saves() -> List[RegisteredSave]:
     """The registered saves, mandatory ones first (kept in that order: the policy reads this for every op)."""
     return _REGISTRY
+
+
+def registry_version() -> int:
+    """A number that changes whenever a save is registered or removed."""
+    return _version
