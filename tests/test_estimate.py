@@ -133,8 +133,8 @@ CASES = [
     # grouped_mm's meta function takes bf16 only (CUDA's kernel does): an fp32 MoE is refused, naming the op
     ("qwen3_moe", MOE, torch.bfloat16, Training(4, ("q_proj", "v_proj")), "adamw", 32, ["full"]),
     ("llama", {}, torch.float32, FULL, "adamw", 32, ["off", "full+chunked_loss"]),
-    # the tiled MLP and norms (auto: 1024 tokens, three tiles of the 2 x 1100 here; in bf16, the norms' float32 copies
-    # a tile at a time)
+    # the tiled MLP and norms (auto at 256 KiB a tile: 1024 tokens, three tiles of the 2 x 1100 here; in bf16, the
+    # norms' float32 copies a tile at a time)
     ("llama", {}, torch.bfloat16, LORA, "adamw", 1100, ["full+tiled_mlp", "offload_hidden+chunked_loss+tiled_mlp"]),
     ("llama", {}, torch.bfloat16, QLORA_BF16, "adamw", 1100, ["offload_hidden+chunked_loss+tiled_mlp"]),
     # the optimizers users build: fused AdamW (no parameter-sized temporary), bitsandbytes' 8-bit AdamW (its state
@@ -199,7 +199,9 @@ def _case_id(case) -> str:
     CASES,
     ids=[_case_id(c) for c in CASES],
 )
-def test_the_estimate_equals_the_measured_cpu_step(family, overrides, dtype, training, optimizer, seq, modes):
+def test_the_estimate_equals_the_measured_cpu_step(
+    family, overrides, dtype, training, optimizer, seq, modes, monkeypatch
+):
     """The fake step's activation peak is what measure_step measures around the same real step, to the byte; so are
     the parameters, gradients and optimizer state.
 
@@ -207,6 +209,11 @@ def test_the_estimate_equals_the_measured_cpu_step(family, overrides, dtype, tra
     memory, and layer offloading's device copies of the layers, as activations; the estimate counts them apart
     (``host_bytes``, ``streamed_weight_bytes``), and its one-memory peak, which adds them back, is the figure equal to
     the CPU's (the same as the activation peak when nothing is offloaded)."""
+    import lightning_ac.tiled_mlp.install as tiled_mlp
+
+    # tile_tokens: auto takes tiles of 256 KiB of intermediates here (1,024 tokens of the tiny model's MLP in bf16):
+    # several tiles at these lengths, as at a real model's
+    monkeypatch.setattr(tiled_mlp, "AUTO_TILE_BYTES", 2**18)
     config = tiny_config(family, **overrides)
     for mode in resolve_modes(modes, training.full_finetune):
         fake = fake_step(config, dtype, training, mode, seq, 2, optimizer, target="cpu")

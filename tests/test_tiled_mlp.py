@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from lightning_ac.tiled_mlp import TiledMLP
 from lightning_ac.tiled_mlp.function import tiled_mlp
 
 
@@ -332,18 +333,46 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
 
 
 @pytest.mark.parametrize(
-    "tokens, hidden_size, tile",
+    "tokens, bytes_per_token, tile",
     [
-        (100_000, 4096, 4096),  # Llama-3-8B: its hidden size, a power of two, kept
-        (100_000, 4097, 8192),  # rounded up to a power of two
-        (100_000, 64, 1024),  # a small model: the floor of 1024 tokens
-        (100, 4096, 100),  # never more than the tokens there are
+        (100_000, 14336 * 2, 8192),  # Llama-3-8B's MLP in bf16: 256 MiB / 28 KiB = 9,362 tokens, down to 8,192
+        (100_000, 4096 * 4, 16384),  # its norms: a float32 copy of 4,096 hidden
+        (100_000, 2**18, 1024),  # an intermediate of 256 KiB a token: the floor of 1024 tokens
+        (100, 14336 * 2, 100),  # never more than the tokens there are
     ],
 )
-def test_auto_tiles_hold_the_hidden_sizes_worth_of_tokens(tokens, hidden_size, tile):
+def test_auto_tiles_keep_a_tiles_widest_intermediate_within_its_bytes(tokens, bytes_per_token, tile):
     from lightning_ac.tiled_mlp import auto_tile_tokens
 
-    assert auto_tile_tokens(tokens, hidden_size) == tile
+    assert auto_tile_tokens(tokens, bytes_per_token) == tile
+
+
+def test_auto_tiles_are_sized_by_each_modules_own_intermediate(monkeypatch):
+    """An MLP's tiles by its widest linear output in the input's dtype (its intermediate size: 4-bit layers too), a
+    norm's by a float32 copy of its input: a norm runs fewer, larger tiles than the MLP beside it."""
+    import lightning_ac.tiled_mlp.install as install
+
+    model = tiny_model("llama", intermediate_size=192, lora=True)
+    layer = model.base_model.model.model.layers[0]
+    assert install.widest_output(layer.mlp) == 192 and install.widest_output(layer.input_layernorm) == 0
+    # the bytes of 64 tokens of the MLP's float32 intermediate (192 wide), and no floor: small tiles for a tiny model
+    monkeypatch.setattr(install, "AUTO_TILE_BYTES", 64 * 192 * 4)
+    monkeypatch.setattr(install, "MIN_AUTO_TILE_TOKENS", 1)
+    seen = {}
+
+    def spy(mlp, x, params, tile_tokens):
+        seen[type(mlp.__self__).__name__] = tile_tokens
+        return mlp(x)
+
+    monkeypatch.setattr(install, "tiled_mlp", spy)
+    tiled = install.TiledMLP("auto", [layer], norms=[layer.input_layernorm])
+    tiled.install()
+    try:
+        x = torch.randn(1, 1000, 64, requires_grad=True)
+        layer.mlp(x), layer.input_layernorm(x)
+    finally:
+        tiled.remove()
+    assert seen == {"LlamaMLP": 64, "LlamaRMSNorm": 128}, "the norm: 64 x 192 x 4 bytes / (64 x 4) = 192 -> 128"
 
 
 def test_remove_puts_back_each_mlps_forward_as_found():
@@ -360,3 +389,94 @@ def test_remove_puts_back_each_mlps_forward_as_found():
     assert all("forward" in layer.mlp.__dict__ for layer in layers)
     tiled.remove()
     assert "forward" not in layers[0].mlp.__dict__ and layers[1].mlp.__dict__["forward"] is own
+
+
+_ALIASES = {"view", "_unsafe_view", "detach", "expand", "slice", "t", "transpose", "reshape", "alias", "as_strided"}
+
+
+def _work_ops(run):
+    """The ops ``run`` dispatches that compute or copy (views and other aliases left out), by name."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _ALIASES:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        run()
+    return count.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_runs_the_mlps_own_ops_and_one_copy_and_one_sum_per_trainable_parameter(dtype):
+    """What a tiled MLP runs beyond the MLP's own work, counted with a dispatch mode: per tile, its output and its
+    input's gradient written into the whole sequence's (one copy each), and one in-place float32 sum per trainable
+    parameter (LoRA's six adapters here), nothing allocated per tile; once a call, the six float32 sums started and
+    returned in the parameters' dtype, and the two whole-sequence tensors allocated."""
+    from collections import Counter
+
+    from lightning_ac.tiled_mlp.install import TiledMLP
+
+    model = tiny_model("llama", lora=True).to(dtype)
+    layer = model.base_model.model.model.layers[0]
+    x = torch.randn(1, 64, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, 64, 64, dtype=dtype)
+    trainable = [p for p in layer.mlp.parameters() if p.requires_grad]
+    assert len(trainable) == 6
+
+    def step():
+        for tensor in (x, *trainable):
+            tensor.grad = None  # accumulating into a .grad left by the run before would count as a sum
+        torch.autograd.backward(layer.mlp(x), grad)
+
+    untiled = _work_ops(step)
+    forward_only = _work_ops(lambda: layer.mlp(x.detach()))
+    tiles = 4
+    tiled = TiledMLP(64 // tiles, [layer], norms=())
+    tiled.install()
+    try:
+        ops = _work_ops(step)
+    finally:
+        tiled.remove()
+    mlp_own = Counter({op: tiles * (untiled[op] + forward_only[op]) for op in untiled | forward_only})
+    sums = len(trainable) * (tiles - 1)
+    to_float32 = 2 * len(trainable) if dtype == torch.bfloat16 else len(trainable)  # bf16: and back to bf16
+    expected = mlp_own + Counter({"copy_": 2 * tiles, "add_": sums, "_to_copy": to_float32, "new_empty": 1})
+    expected["empty_like"] += 1
+    assert ops == expected, (ops - expected, expected - ops)
+
+
+def test_in_bf16_the_tiles_weight_gradients_round_as_the_untiled_ones_do():
+    """Summed in bf16, 128 tiles' weight gradients rounded at each step (2.7x the untiled run's error against float64):
+    summed in float32, the tiled MLP's error is the untiled MLP's, within a tenth (issue 50's item 3)."""
+    model = tiny_model("llama", hidden_size=128, intermediate_size=256).to(torch.bfloat16)
+    layer = model.model.layers[0]
+    torch.manual_seed(0)
+    x = torch.randn(1, 1024, 128, dtype=torch.bfloat16)
+    grad = torch.randn(1, 1024, 128, dtype=torch.bfloat16)
+
+    def weight_grads(mlp, dtype, tile=None):
+        mlp = copy.deepcopy(mlp).to(dtype)
+        if tile is not None:
+            tiled = TiledMLP(tile, [torch.nn.ModuleDict({"mlp": mlp})], norms=())
+            tiled.install()
+        torch.autograd.backward(mlp(x.to(dtype).requires_grad_()), grad.to(dtype))
+        return [p.grad.double() for p in mlp.parameters()]
+
+    exact = weight_grads(layer.mlp, torch.float64)
+
+    def error(grads):
+        return max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(grads, exact))
+
+    # 0.0052 both (summed in bf16, the tiled error was 0.031)
+    untiled, tiled = error(weight_grads(layer.mlp, torch.bfloat16)), error(weight_grads(layer.mlp, torch.bfloat16, 8))
+    assert 0 < tiled <= 1.1 * untiled, (tiled, untiled)

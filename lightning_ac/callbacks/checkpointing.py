@@ -61,10 +61,10 @@ class ActivationCheckpointing(SuiteCallback):
             :mod:`lightning_ac.loss`.
         tiled_mlp: Run each decoder layer's MLP a tile of tokens at a time, saving only its input: in the backward
             each tile is recomputed and backpropagated at once, so the whole sequence's MLP intermediates (each
-            ``tokens x intermediate_size``) never exist. ``True`` (``tile_tokens: auto``: tiles of the hidden size's
-            tokens, at least 256) or ``{"tile_tokens": N}`` (:class:`~lightning_ac.config.TiledMLPConfig`). The MLP is
-            the layer's ``mlp``; a sparse mixture of experts is refused. Applies with ``enabled=False`` too. See
-            :mod:`lightning_ac.tiled_mlp`.
+            ``tokens x intermediate_size``) never exist. ``True`` (``tile_tokens: auto``, the norms tiled too) or a
+            mapping with ``tile_tokens``, ``norms`` and ``mlp_modules`` (:class:`~lightning_ac.config.TiledMLPConfig`
+            says what each does). The MLP is the layer's ``mlp``; a sparse mixture of experts is refused. Applies with
+            ``enabled=False`` too. See :mod:`lightning_ac.tiled_mlp`.
         enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` and ``tiled_mlp`` are what the callback
             does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is

@@ -104,9 +104,10 @@ class TiledMLPConfig:
     """Each decoder layer's MLP a tile of tokens at a time (:mod:`lightning_ac.tiled_mlp`).
 
     Attributes:
-        tile_tokens: Tokens per tile (``>= 1``), or ``"auto"``: as many tokens as the hidden size (rounded up to a
-            power of two, at least 1024), so that a tile's intermediates (``tile x intermediate_size`` each) hold
-            about as much as one MLP weight matrix, whatever the sequence length.
+        tile_tokens: Tokens per tile (``>= 1``), or ``"auto"``: per module, the most tokens (a power of two, at least
+            1024) whose widest intermediate holds at most 256 MiB (an MLP's ``tile x intermediate_size`` in the input's
+            dtype, a norm's float32 copy of its input), as ``chunk_tokens: auto`` bounds a chunk's logits: few large
+            tiles (8,192 tokens for Llama-3-8B's MLP in bf16, 16,384 for its norms), whatever the sequence length.
         norms: Tile the decoder layers' norms and the final norm too (default ``True``): once the MLP is tiled, an
             RMSNorm's float32 copies of the hidden states (its saved input, six of them in its backward) are the
             most a recomputed layer holds at long context. ``False`` tiles the MLP only.

@@ -4,8 +4,9 @@ The forward runs the MLP on each tile of tokens without recording a graph and sa
 recomputes one tile at a time with gradients on and backpropagates it at once, so that a tile's intermediates (gate,
 up, their product, and their gradients: each ``tile x intermediate_size``) are the most that exist, never the whole
 sequence's. The trainable parameters' gradients (the MLP's weights in a full fine-tune, LoRA's adapters on its
-projections) are summed over the tiles and returned to autograd as the function's own, so that they reach their
-parameters as any other gradient does (accumulation, hooks, DDP's and FSDP's reductions).
+projections) are summed over the tiles in float32, in place (as the chunked loss sums its chunks: in bf16 a sum of
+hundreds of tiles rounds at each step), and returned to autograd in the parameters' dtype as the function's own, so
+that they reach their parameters as any other gradient does (accumulation, hooks, DDP's and FSDP's reductions).
 
 The recompute runs under the forward's autocast state and random state (a dropout draws the same masks, tile after
 tile in the same order). Each output row depends on its own token only, so the forward's output is bit-identical to
@@ -104,10 +105,16 @@ class _TiledMLP(torch.autograd.Function):
                     tile_grad = found.pop(0)
                     grad_x[start:end] = 0 if tile_grad is None else tile_grad
                 for index, g in enumerate(found):
-                    if g is not None:
-                        grads[index] = g if grads[index] is None else grads[index] + g
+                    if g is None:
+                        continue
+                    total = grads[index]
+                    if total is None:
+                        grads[index] = g.to(torch.float32, copy=True)
+                    else:
+                        total.add_(g)
                 del out, found
-        return (None, None, None, None if grad_x is None else grad_x.reshape(x.shape), *grads)
+        summed = [None if g is None else g.to(p.dtype) for g, p in zip(grads, ctx.params)]
+        return (None, None, None, None if grad_x is None else grad_x.reshape(x.shape), *summed)
 
 
 def _autocast_state(device_type: str) -> dict:

@@ -24,6 +24,7 @@ from lightning_ac.config import AUTO, ConfigError
 from lightning_ac.tiled_mlp.function import tiled_mlp
 
 __all__ = [
+    "AUTO_TILE_BYTES",
     "MIN_AUTO_TILE_TOKENS",
     "TiledMLP",
     "auto_tile_tokens",
@@ -38,16 +39,27 @@ __all__ = [
 # autograd calls (cpu-vocab, hidden 256: tiles of 256 tokens stepped at 1.08x full_chunked's time, of 1024 at 0.98x,
 # with the same activation peak)
 MIN_AUTO_TILE_TOKENS = 1024
+# ... and takes as many tokens as keep one of a tile's widest intermediates (an MLP's gate or up projection, a norm's
+# float32 copy) within this, as chunk_tokens: auto bounds a chunk's logits: few large tiles, whose matmuls a GPU runs
+# at full speed (the H200 stepped 4,096-token tiles of Llama-3-8B's MLP at 1.14x the untiled step)
+AUTO_TILE_BYTES = 256 * 2**20
 _MISSING = object()
 
 
-def auto_tile_tokens(tokens: int, hidden_size: int) -> int:
-    """``tile_tokens: auto``: the hidden size's worth of tokens, rounded up to a power of two and at least
-    :data:`MIN_AUTO_TILE_TOKENS` (a tile's intermediates then hold about one MLP weight matrix's elements, at any
-    length); never more than ``tokens``."""
+def auto_tile_tokens(tokens: int, bytes_per_token: int) -> int:
+    """``tile_tokens: auto``: the most tokens, a power of two, whose widest intermediate (``bytes_per_token`` each)
+    fits :data:`AUTO_TILE_BYTES`, and at least :data:`MIN_AUTO_TILE_TOKENS`; never more than ``tokens`` (8,192 for
+    Llama-3-8B's MLP in bf16: 14,336 x 2 bytes a token)."""
     if tokens <= 0:
         return 1
-    return min(tokens, max(MIN_AUTO_TILE_TOKENS, 1 << (max(1, hidden_size) - 1).bit_length()))
+    fits = max(1, AUTO_TILE_BYTES // max(1, bytes_per_token))
+    return min(tokens, max(MIN_AUTO_TILE_TOKENS, 1 << (fits.bit_length() - 1)))
+
+
+def widest_output(module: nn.Module) -> int:
+    """The widest output of ``module``'s linear layers (``out_features``: an MLP's intermediate size; a 4-bit
+    layer's too), ``0`` where it has none (a norm)."""
+    return max((int(getattr(m, "out_features", 0) or 0) for m in module.modules()), default=0)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -160,14 +172,20 @@ class TiledMLP:
                 module.forward = saved  # type: ignore[method-assign]
 
     def _forward_of(self, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+        # Found once, not at each call: walking a PEFT-wrapped MLP's modules for its parameters is Python work per
+        # call that the untiled MLP does not do. The widest intermediate: the MLP's linear outputs in the input's
+        # dtype; a norm's float32 copy of its input.
+        params = list(module.parameters())
+        width = widest_output(module)
+
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
                 return original(x, *args, **kwargs)
-            tokens = x.shape[:-1].numel()
             tile = self.tile_tokens
             if tile == AUTO:
-                tile = auto_tile_tokens(tokens, x.shape[-1])
-            return tiled_mlp(original, x, list(module.parameters()), int(tile))
+                per_token = width * x.element_size() if width else x.shape[-1] * 4
+                tile = auto_tile_tokens(x.shape[:-1].numel(), per_token)
+            return tiled_mlp(original, x, params, int(tile))
 
         return forward
 
