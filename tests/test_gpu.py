@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import clone, fit, tiny_model
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ac import ActivationCheckpointing
 from lightning_ac.bench.memory import StepMetrics
@@ -27,17 +29,60 @@ def gpu_fit(model, callbacks=(), **kwargs):
     return fit(model, callbacks, accelerator="gpu", **kwargs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_selective_saves_cuda_attention(dtype):
-    base = tiny_model("llama").to(dtype)
-    reference = gpu_fit(clone(base))
-    run = gpu_fit(clone(base), [ActivationCheckpointing(selective={"save": ["attention"]})])
-    full = gpu_fit(clone(base), [ActivationCheckpointing()])
+def _backend_takes(backend, dtype, kv_heads):
+    """Whether SDPA held to ``backend`` takes the tiny Llama's attention call on this device (cuDNN's depends on the
+    cuDNN build and the GPU)."""
+    q = torch.randn(2, 4, 32, 16, device="cuda", dtype=dtype, requires_grad=True)
+    kv = torch.randn(2, kv_heads, 32, 16, device="cuda", dtype=dtype)
+    try:
+        with sdpa_kernel(backend):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=kv_heads < 4)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "dtype, backend, kv_heads, ran",
+    [
+        # SDPA's own choice, with tiny_model's grouped-query heads (4 query, 2 key/value): in bfloat16 a fused kernel;
+        # in float32 the math backend (flash and cuDNN take half precision only, the efficient kernel refuses
+        # enable_gqa), which the first GPU run found
+        (torch.bfloat16, None, 2, "fused"),
+        (torch.float32, None, 2, "math"),
+        # each backend held with sdpa_kernel (the efficient and cuDNN kernels without grouped-query heads)
+        (torch.bfloat16, SDPBackend.FLASH_ATTENTION, 2, "aten._scaled_dot_product_flash_attention"),
+        (torch.float32, SDPBackend.EFFICIENT_ATTENTION, 4, "aten._scaled_dot_product_efficient_attention"),
+        (torch.bfloat16, SDPBackend.EFFICIENT_ATTENTION, 4, "aten._scaled_dot_product_efficient_attention"),
+        (torch.bfloat16, SDPBackend.CUDNN_ATTENTION, 4, "aten._scaled_dot_product_cudnn_attention"),
+        (torch.float32, SDPBackend.MATH, 2, "math"),
+    ],
+    ids=["bf16", "fp32", "bf16-flash", "fp32-efficient", "bf16-efficient", "bf16-cudnn", "fp32-math"],
+)
+def test_selective_saves_cuda_attention(dtype, backend, kv_heads, ran):
+    if backend is SDPBackend.CUDNN_ATTENTION and not _backend_takes(backend, dtype, kv_heads):
+        pytest.skip("SDPA's cuDNN backend does not take this call with this cuDNN build and GPU")
+    base = tiny_model("llama", num_key_value_heads=kv_heads).to(dtype)
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        reference = gpu_fit(clone(base))
+        run = gpu_fit(clone(base), [ActivationCheckpointing(selective={"save": ["attention"]})])
+        full = gpu_fit(clone(base), [ActivationCheckpointing()])
     for name, grad in reference.grads.items():
         torch.testing.assert_close(run.grads[name], grad, msg=name)
-    replayed = sum(full.backward_ops.get(op, 0) for op in CUDA_ATTENTION)
-    assert replayed == 4, full.backward_ops
-    assert sum(run.backward_ops.get(op, 0) for op in CUDA_ATTENTION) == 0
+
+    def replayed(module, op):  # the recompute's calls of op: its count in backward beyond the unmodified run's
+        return module.backward_ops.get(op, 0) - reference.backward_ops.get(op, 0)
+
+    kernels = {op: full.backward_ops[op] for op in CUDA_ATTENTION if op in full.backward_ops}
+    if ran == "math":  # no kernel: QK^T (bmm), _safe_softmax, probs @ V (bmm); only the output bmm is saved
+        assert kernels == {}, full.backward_ops
+        assert replayed(full, "aten.bmm") == 8 and replayed(full, "aten._safe_softmax") == 4, full.backward_ops
+        assert replayed(run, "aten.bmm") == 4 and replayed(run, "aten._safe_softmax") == 4, run.backward_ops
+        return
+    assert list(kernels.values()) == [4], full.backward_ops  # one kernel, replayed once per layer
+    assert ran == "fused" or list(kernels) == [ran], kernels
+    assert sum(run.backward_ops.get(op, 0) for op in CUDA_ATTENTION) == 0, run.backward_ops
+    assert replayed(full, "aten.bmm") == replayed(run, "aten.bmm") == 0
 
 
 def test_cuda_allocator_peak_shows_checkpointing_saves_memory():
