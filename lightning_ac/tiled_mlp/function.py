@@ -69,19 +69,20 @@ class _TiledMLP(torch.autograd.Function):
         ctx.saved = saved
         if saved is None:
             ctx.save_for_backward(x)
+        if len(ctx.tiles) == 1:
+            # the MLP's own output, in the input's shape: never a view made here (a model may edit the output in
+            # place, as Falcon adds attention's output to it, which autograd forbids on a Function's view)
+            return mlp(x.detach())
         out: Any = None
         for start, end in ctx.tiles:
             tile = mlp(flat[start:end])
             if out is None:
-                if end == flat.shape[0]:
-                    out = tile
-                    break
-                # each tile is written into the output as it comes: a list of tiles joined at the end would hold
-                # the output twice
-                out = tile.new_empty((flat.shape[0], tile.shape[-1]))
-            out[start:end] = tile
+                # each tile is written into the output as it comes (a list of tiles joined at the end would hold the
+                # output twice), allocated in the input's shape: what is returned is no view
+                out = tile.new_empty((*x.shape[:-1], tile.shape[-1]))
+            out.view(-1, tile.shape[-1])[start:end] = tile
             del tile
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
