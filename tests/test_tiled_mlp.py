@@ -483,3 +483,18 @@ def test_in_bf16_the_tiles_weight_gradients_round_as_the_untiled_ones_do():
     # 0.0052 both (summed in bf16, the tiled error was 0.031)
     untiled, tiled = error(weight_grads(layer.mlp, torch.bfloat16)), error(weight_grads(layer.mlp, torch.bfloat16, 8))
     assert 0 < tiled <= 1.1 * untiled, (tiled, untiled)
+
+
+def test_an_mlp_called_with_more_than_its_input_is_refused_at_setup_naming_it():
+    """Bloom's MLP takes the residual too (``mlp(hidden_states, residual)``): it was never tiled, while the line said
+    it was. Refused before training, naming the module and its extra argument."""
+    from conftest import fit, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ac import ActivationCheckpointing, ConfigError
+
+    config = tiny_config("bloom", n_head=4)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"layer 0's mlp \(BloomMLP\) takes residual besides its input"):
+        fit(model, [ActivationCheckpointing(tiled_mlp=True)])

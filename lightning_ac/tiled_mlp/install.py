@@ -113,6 +113,14 @@ def find_mlps(layer: nn.Module, index: int, mlp_modules: Optional[Sequence[str]]
             "tiled_mlp: false."
         )
     for name, mlp in found:
+        extra = _inputs_beyond_the_first(mlp)
+        if extra:
+            raise ConfigError(
+                f"{field}: layer {index}'s {name} ({type(mlp).__name__}) takes {', '.join(extra)} besides its input, "
+                "and tiled_mlp tiles an MLP called with its input alone (a tile of the other arguments would have to "
+                "match each tile of tokens). Set tiled_mlp: false, or name with mlp_modules the modules inside it "
+                "that take the hidden states alone."
+            )
         if _sparse(mlp):
             raise ConfigError(
                 f"{field}: layer {index}'s {name} is a sparse mixture of experts ({type(mlp).__name__}): its router "
@@ -120,6 +128,19 @@ def find_mlps(layer: nn.Module, index: int, mlp_modules: Optional[Sequence[str]]
                 "reproduce. Set tiled_mlp: false."
             )
     return [mlp for _, mlp in found]
+
+
+def _inputs_beyond_the_first(module: nn.Module) -> List[str]:
+    """The arguments ``module``'s forward requires besides its first (Bloom's and MPT's MLPs take the residual)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature: taken as one argument
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    return required[1:]
 
 
 def _sparse(mlp: nn.Module) -> bool:
