@@ -498,3 +498,51 @@ def test_an_mlp_called_with_more_than_its_input_is_refused_at_setup_naming_it():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match=r"layer 0's mlp \(BloomMLP\) takes residual besides its input"):
         fit(model, [ActivationCheckpointing(tiled_mlp=True)])
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.GELU(), torch.nn.Linear(32, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class _PlainLM(torch.nn.Module):
+    def __init__(self, vocab: int = 128, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_MLPBlock(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return type("Out", (), {"loss": loss})()
+
+
+def test_with_enabled_false_layers_names_the_plain_torch_layers_whose_mlps_to_tile(caplog, monkeypatch):
+    """``enabled=False, tiled_mlp=..., layers=[Block]``: the named layers' MLPs are tiled (``layers`` was refused,
+    and without it nothing was tiled while the line said "tiled MLP (0 decoder layers"); a plain model whose layers
+    are not named stops as with ``enabled=True``."""
+    from conftest import fit
+
+    from lightning_ac import ActivationCheckpointing, ConfigError
+
+    torch.manual_seed(0)
+    base = _PlainLM()
+    reference = fit(copy.deepcopy(base), max_steps=2)
+    tiled = []
+    install = TiledMLP.install
+    monkeypatch.setattr(TiledMLP, "install", lambda self: (tiled.append(len(self.mlps)), install(self)))
+    callback = ActivationCheckpointing(enabled=False, tiled_mlp={"tile_tokens": 8}, layers=[_MLPBlock])
+    run = fit(copy.deepcopy(base), [callback], max_steps=2)
+    _assert_close_training(reference, run)
+    assert tiled == [2] and "tiled MLP (2 decoder layers" in caplog.text
+    with pytest.raises(ConfigError, match=r"found no decoder layers in LM.* pass layers=\[<layer class>\]"):
+        fit(copy.deepcopy(base), [ActivationCheckpointing(enabled=False, tiled_mlp=True)])

@@ -86,7 +86,8 @@ class CheckpointingRequest:
             "reentrant": reentrant,
             "kwargs": kwargs or None,
             "selective": selective if selective is not False else None,
-            "layers": layers,
+            # with tiled_mlp, layers names the layers whose MLPs to tile
+            "layers": layers if tiled is None else None,
             "budget": given_budget,
             # "measure" is the default: only another value asks for something
             "budget_first_plan": budget_first_plan if budget_first_plan not in (None, "measure") else None,

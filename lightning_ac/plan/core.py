@@ -143,11 +143,15 @@ class Plan:
         if not self.config.enabled and self.layer_offload_request is None:  # offloading without recompute only
             if not self._offload_here and not self._loss_or_mlp_here:
                 return
-            layers = find_decoder_layers(module)
-            if layers.hf_models or not isinstance(module, LightningModule):
+            # the tiled MLP needs the layers whose MLPs it tiles (named with layers= in a plain torch model)
+            tiled = self.config.tiled_mlp is not None and self._fitting
+            layers = find_decoder_layers(module, self.layer_spec)
+            if layers.hf_models or len(layers) or not isinstance(module, LightningModule):
+                if tiled and not len(layers):
+                    raise self._no_layers_error(module)
                 self._apply_to(layers)
             else:  # the model may be built in configure_model; the output head must be found to stay put
-                self._defer_until_configured(module, require_layers=False)
+                self._defer_until_configured(module, require_layers=tiled)
             return
         layers = find_decoder_layers(module, self.layer_spec)
         if len(layers):
