@@ -546,3 +546,56 @@ def test_with_enabled_false_layers_names_the_plain_torch_layers_whose_mlps_to_ti
     assert tiled == [2] and "tiled MLP (2 decoder layers" in caplog.text
     with pytest.raises(ConfigError, match=r"found no decoder layers in LM.* pass layers=\[<layer class>\]"):
         fit(copy.deepcopy(base), [ActivationCheckpointing(enabled=False, tiled_mlp=True)])
+
+
+def test_norms_takes_the_text_every_boolean_of_the_block_takes():
+    from lightning_ac.config import parse_tiled_mlp
+
+    assert parse_tiled_mlp({"norms": "false"}).norms is False and parse_tiled_mlp({"norms": "True"}).norms is True
+
+
+def test_a_checkpoint_written_before_a_field_existed_resumes_without_a_warning():
+    """A checkpoint written before the block had ``tiled_mlp`` (or ``budget``, ``chunked_loss``): those fields were off
+    then, as they are by default now; only a setting that differs warns."""
+    import warnings
+
+    from lightning_ac import ActivationCheckpointing
+
+    state = ActivationCheckpointing().state_dict()
+    for field in ("tiled_mlp", "budget", "chunked_loss", "budget_first_plan"):
+        del state["activation_checkpointing"][field]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ActivationCheckpointing().load_state_dict(state)
+    with pytest.warns(UserWarning, match="the checkpoint was written with"):
+        ActivationCheckpointing(tiled_mlp=True).load_state_dict(state)
+
+
+def test_a_mixture_of_experts_not_under_mlp_is_refused_for_what_it_is():
+    """GraniteMoE's ``block_sparse_moe``, DBRX's ``ffn``, Llama 4's ``feed_forward``: told first to name the MLP with
+    mlp_modules, then refused as a mixture of experts; now refused as one at once."""
+    from lightning_ac import ConfigError
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.block_sparse_moe = torch.nn.LayerNorm(8), Experts()
+
+    with pytest.raises(ConfigError, match=r"layer 0's block_sparse_moe is a sparse mixture of experts \(Experts\)"):
+        TiledMLP("auto", [Layer()])
+
+
+def test_the_applied_line_counts_layers_and_mlp_modules_apart():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ffn_a, self.ffn_b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    tiled = TiledMLP(8, [Two(), Two()], mlp_modules=["ffn_*"])
+    assert tiled.describe() == "tiled MLP (2 decoder layers: 4 MLP modules, tile_tokens: 8)"
+    assert TiledMLP(8, [_MLPBlock()]).describe() == "tiled MLP (1 decoder layers, tile_tokens: 8)"

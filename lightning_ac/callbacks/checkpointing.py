@@ -9,10 +9,7 @@ import lightning.pytorch as pl
 
 from lightning_ac._logging import rank_zero_warn
 from lightning_ac.callbacks.base import SuiteCallback
-from lightning_ac.config import (
-    CheckpointingRequest,
-    config_to_dict,
-)
+from lightning_ac.config import CheckpointingRequest, config_to_dict, parse_config
 from lightning_ac.layers import LayerSpec
 from lightning_ac.plan import Plan
 
@@ -168,7 +165,8 @@ class ActivationCheckpointing(SuiteCallback):
         self._hand_over_budget_state()
         saved = state_dict.get("activation_checkpointing")
         if saved is not None:
-            saved = {"budget": None, **saved}  # written before the block had a budget
+            # written before the block had a field (budget, chunked_loss, tiled_mlp...): that field at its default
+            saved = {**config_to_dict(parse_config(True)), **saved}
         if saved is not None and saved != config_to_dict(self.config):
             rank_zero_warn(
                 f"resuming with activation_checkpointing {config_to_dict(self.config)}; the checkpoint was written "

@@ -131,12 +131,7 @@ def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp"
     if not isinstance(value, Mapping):
         return value
     reject_unknown(value, TILED_MLP_FIELDS, name)
-    norms = value.get("norms", True)
-    if not isinstance(norms, bool):
-        raise ConfigError(
-            f"{name}.norms: expected true or false, got {norms!r}. Write norms: false to tile the MLP only, or leave "
-            "it out (true: the layers' norms and the final norm are tiled too)."
-        )
+    norms = parse_bool(value.get("norms", True), f"{name}.norms")  # "false" as YAML and command lines write it
     mlp_modules = value.get("mlp_modules")
     if mlp_modules is not None:
         if isinstance(mlp_modules, str) or not isinstance(mlp_modules, Sequence):

@@ -106,6 +106,10 @@ def find_mlps(layer: nn.Module, index: int, mlp_modules: Optional[Sequence[str]]
                 found.append((name, module))
         where = f"mlp_modules: {list(mlp_modules)} matched none of its submodules"
     if not found:
+        moe = next(((name, child) for name, child in layer.named_children() if _sparse(child)), None)
+        if moe is not None:  # the real reason first: naming it with mlp_modules would only be refused next
+            found = [moe]
+    if not found:
         names = ", ".join(name for name, _ in layer.named_children())
         raise ConfigError(
             f"{field}: {type(layer).__name__} (layer {index}) has no MLP to tile ({where}; its children: {names}). "
@@ -175,6 +179,7 @@ class TiledMLP:
     ) -> None:
         self.tile_tokens = tile_tokens
         self.mlps = [mlp for index, layer in enumerate(layers) for mlp in find_mlps(layer, index, mlp_modules)]
+        self.layers = len(layers)
         self.norms = list(norms)
         self.noun = noun
         self._saved: Dict[int, Any] = {}
@@ -219,7 +224,8 @@ class TiledMLP:
     def describe(self) -> str:
         tile = self.tile_tokens if self.tile_tokens != AUTO else "auto"
         norms = f", and {len(self.norms)} norms" if self.norms else ""
-        return f"tiled MLP ({len(self.mlps)} {self.noun}{norms}, tile_tokens: {tile})"
+        modules = f": {len(self.mlps)} MLP modules" if len(self.mlps) != self.layers else ""
+        return f"tiled MLP ({self.layers} {self.noun}{modules}{norms}, tile_tokens: {tile})"
 
     @property
     def modules(self) -> List[nn.Module]:
