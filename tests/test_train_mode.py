@@ -42,9 +42,16 @@ class BackwardMM(pl.Callback):
 @pytest.mark.parametrize(
     "arguments, says",
     [
-        ({}, r"4 of the recomputed decoder layers \(0, 1, 2, 3\) would not be recomputed"),
+        (
+            {},
+            r"reached model\.base_model\.model\.model\.layers\.0 in eval mode with gradients enabled, so 4 of the "
+            r"recomputed decoder layers of model\.base_model\.model \(0, 1, 2, 3\) would not be recomputed",
+        ),
         ({"budget": "1MiB"}, "would not be recomputed"),
-        ({"enabled": False, "chunked_loss": True}, "the chunked loss would not run for LlamaForCausalLM"),
+        (
+            {"enabled": False, "chunked_loss": True},
+            r"the chunked loss would not run for model\.base_model\.model \(LlamaForCausalLM\)",
+        ),
     ],
     ids=["full", "budget", "chunked_loss"],
 )
@@ -88,3 +95,37 @@ def test_offload_all_alone_applies_in_eval_mode(transfer):
     callback = ActivationOffload(all="cpu", min_offload_bytes=0, copy_on_host=True)
     make_trainer([callback]).fit(LM(model), batches())
     assert callback.last_step["all"]["tensors"] > 0
+
+
+class PolicyAndReference(LM):
+    """A policy in training mode beside a frozen copy in eval mode, called under no_grad (DPO, distillation, RLHF):
+    both share a class, so the plan finds both models' layers."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.reference = clone(model).eval().requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.reference(input_ids=batch[0])
+        return super().training_step(batch, batch_idx)
+
+
+class TrainsItself(LM):
+    """Calls .train() on its model in its own training step, after the batch's start."""
+
+    def training_step(self, batch, batch_idx):
+        self.model.train()
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("module_cls", [PolicyAndReference, TrainsItself], ids=["reference_under_no_grad", "train"])
+def test_what_the_step_does_not_reach_in_eval_mode_with_gradients_is_left_alone(module_cls):
+    """Refused before in every mode: the check read the modes at the batch's start, of every layer found. Now it is
+    what the step reaches with gradients enabled: the policy's layers (in training mode) are recomputed."""
+    base = tiny_model("llama")
+    plain, checkpointed = BackwardMM(), BackwardMM()
+    model = clone(base).eval() if module_cls is TrainsItself else clone(base)
+    make_trainer([plain]).fit(module_cls(clone(base)), batches())
+    make_trainer([ActivationCheckpointing(), checkpointed]).fit(module_cls(model), batches())
+    assert checkpointed.counts[0] - plain.counts[0] == 4 * 6, "every layer's q, k, v, o, gate and up again"

@@ -114,8 +114,6 @@ class SuiteCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._is_first() and self._plan is not None:
-            self._plan.check_train_mode()
         if self._is_first() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         budget = self._plan.budget if self._is_first() and self._plan is not None else None

@@ -39,7 +39,7 @@ from lightning_ac.plan.weights import DDP_IGNORE, log_weight_streamer, share_str
 from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.tiled_mlp.install import TiledMLP, install_tiled_mlp
-from lightning_ac.train_mode import check_train_mode
+from lightning_ac.train_mode import TrainModeGuard
 from lightning_ac.verify import StepVerifier
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class Plan:
         self.weight_streamer: Optional[LayerWeightStreamer] = None
         self.chunked_loss: Optional[ChunkedLoss] = None
         self.tiled_mlp: Optional[TiledMLP] = None
+        self.train_mode: Optional[TrainModeGuard] = None
         self._journal: Optional[ModuleJournal] = None
         self._deferred = False
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
@@ -229,6 +230,11 @@ class Plan:
             if self._fitting:
                 self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
+                # the modules that act only in training mode, checked where the step reaches them; what the budget
+                # chose is in self.recomputed (it may change from step to step)
+                chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
+                self.train_mode = TrainModeGuard(self.module, layers, lambda: self.recomputed, chunked_models)
+                self.train_mode.install()
             self._install_verifier()
             self._wrap_training_step()
             self._journal.commit()
@@ -285,15 +291,6 @@ class Plan:
         if isinstance(self.module, LightningModule):
             wrap_training_step(self.module, self._trainer, self.activation_offload, self.verifier, self.budget)
 
-    def check_train_mode(self) -> None:
-        """At a training batch's start, before anything of the step runs: the modules that act only in training mode
-        are in it (:mod:`lightning_ac.train_mode`)."""
-        if self.layers is None or not self._fitting:
-            return
-        chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
-        # what the budget chose is in self.recomputed (it may change from step to step)
-        check_train_mode(self.layers.modules, self.recomputed, chunked_models, self.layers.noun)
-
     def _budget_changed(self, choices: List[Choice]) -> None:
         """The budget chose again: the report and the selective policy follow."""
         assert self.recompute is not None
@@ -338,12 +335,14 @@ class Plan:
         streamer, budget, chunked_loss, tiled = self.weight_streamer, self.budget, self.chunked_loss, self.tiled_mlp
         self.activation_offload = self._journal = self.weight_streamer = self.recompute = None
         self.chunked_loss = self.tiled_mlp = None
+        train_mode, self.train_mode = self.train_mode, None
         # Each step runs even if an earlier one raised; streamed parameters get memory of their own first.
         home = torch.device("cpu") if after_exception else _home_device(self.module, streamer, self.device)
         steps = [
             budget.abort_step if budget is not None else None,
             chunked_loss.remove if chunked_loss is not None else None,
             tiled.remove if tiled is not None else None,
+            train_mode.remove if train_mode is not None else None,
             functools.partial(streamer.close, home) if streamer is not None else None,
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,
