@@ -866,3 +866,32 @@ def test_a_rank_of_more_ranks_holds_less_and_the_table_says_per_rank(tiny_dir, c
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(EstimateError, match="already a rank of a process group"):
         estimate(tiny_dir, seq=32, modes=["full"], strategy="ddp", devices=2)
+
+
+@pytest.mark.parametrize(
+    "model, overrides, seq, says",
+    [
+        ("phi3", {"vocab_size": 1000}, 64, r"--model phi3: transformers cannot build the model .*AssertionError"),
+        ("llama", {"num_key_value_heads": 3}, 64, r"--set num_key_value_heads=3: 3 key/value heads do not divide 32"),
+        ("gpt2", {}, 4096, r"--seq 4096: gpt2 learns 1024 positions.*\(--set n_positions=N\)"),
+    ],
+    ids=["assertion", "kv_heads", "positions"],
+)
+def test_what_cannot_be_estimated_is_an_estimate_error_naming_the_setting(model, overrides, seq, says):
+    with pytest.raises(EstimateError, match=says):
+        estimate(model, seq, modes=["full"], overrides=overrides)
+
+
+@pytest.mark.parametrize("model", ["gemma3", "llama4"])
+def test_a_multimodal_config_is_estimated_for_its_language_model(model):
+    result = estimate(model, 64, modes=["full"], overrides={"text_config.num_hidden_layers": 2})
+    assert result.steps[0].activation_peak_bytes > 0 and "2 layers" in result.description
+
+
+def test_loras_all_linear_and_the_longest_length_within_learned_positions():
+    small = {"num_hidden_layers": 2}
+    every = estimate("llama", 64, modes=["full"], overrides=small, lora_targets=["all-linear"])
+    named = estimate("llama", 64, modes=["full"], overrides=small, lora_targets=[*ALL_LINEARS])
+    assert every.description == named.description and "(2.5 M trainable)" in every.description, "all seven linears"
+    gpt2 = estimate("gpt2", 512, modes=["full"], device_memory=["80GiB"], overrides={"n_layer": 2})
+    assert [(fit.seq, fit.limited) for fit in gpt2.longest] == [(1024, True)], "not beyond its 1,024 positions"

@@ -31,7 +31,15 @@ import torch
 from lightning_ac.estimate.attention import stand_in_registered
 from lightning_ac.estimate.budget import BUDGET, BudgetPlan, budget_plans
 from lightning_ac.estimate.fit import MARGIN_NOTE, fits, longest_fit, margin_bytes
-from lightning_ac.estimate.models import EstimateError, Training, build_model, describe, load_config, presets
+from lightning_ac.estimate.models import (
+    EstimateError,
+    Training,
+    build_model,
+    describe,
+    load_config,
+    position_limit,
+    presets,
+)
 from lightning_ac.estimate.models import lora_targets as _targets_of
 from lightning_ac.estimate.modes import CHUNKED, known_modes, resolve_modes
 from lightning_ac.estimate.optimizers import OPTIMIZERS, OptimizerArgument, optimizer_choice
@@ -69,7 +77,9 @@ NOTES = [
     "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
     "them",
     "offloading: host is host memory the offload engines hold (a pool apart from the device's); the copies run "
-    "as on a CPU trainer (copy_on_host), without the accelerator's pinned pool of 1 MiB size classes",
+    "as on a CPU trainer (copy_on_host), without the accelerator's pinned pool of 1 MiB size classes; the device "
+    "holds what waits for its copy to the host as the slowest bus would leave it: the engine's bound, two of the "
+    "largest tensors offloaded, until backward reloads them",
 ]
 
 
@@ -273,6 +283,13 @@ def estimate(
     config = load_config(model, overrides or {}, attention)
     with fake_session(), stand_in_registered(config):  # quiet, leaving the caller's state as it was, as the steps do
         shape = build_model(config, chosen_precision.build_dtype(training.qlora), training)
+    positions = position_limit(shape)
+    if positions is not None and max(seqs) > positions:
+        raise EstimateError(
+            f"--seq {max(seqs)}: {config.model_type} learns {positions} positions, and its forward fails on a longer "
+            f"sequence. Estimate --seq {positions} or less, or a config with more positions (--set "
+            f"{'n_positions' if hasattr(config, 'n_positions') else 'max_position_embeddings'}=N)."
+        )
     shown = chosen_precision.dtype_name
     if chosen_precision.autocast is not None:
         built = "a bf16-loaded 4-bit base" if training.qlora else "float32 weights"
@@ -322,6 +339,7 @@ def estimate(
                 searched[mode.name, length] = step = run(mode, length)
                 return step
 
-            result.longest.append(longest_fit(mode.name, known, probe, device, seq_step))
+            upper = positions if positions is not None else 2**20
+            result.longest.append(longest_fit(mode.name, known, probe, device, seq_step, upper=upper))
     result.search_steps = [step for (_, length), step in searched.items() if length not in seqs]
     return result

@@ -122,9 +122,37 @@ def load_config(model: str, overrides: Mapping[str, Any] = (), attention: Option
         if field in overrides:
             raise EstimateError(f"--set {field}={overrides[field]!r}: transformers rejects it ({why})") from None
         raise EstimateError(f"--model {model}: transformers rejects the config ({why})") from None
+    if not hasattr(config, "num_hidden_layers") and hasattr(config, "get_text_config"):
+        # a multimodal model's config (gemma3, llama4): its language model is what trains here
+        text = config.get_text_config()
+        if text is not config and hasattr(text, "num_hidden_layers"):
+            config = text
+    _check_heads(config, overrides)
     _check_layers(config)
     config._attn_implementation = attention_for(config, attention)
     return config
+
+
+def _check_heads(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Key/value heads that divide the attention heads (grouped-query attention), named as the user set them."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        given = next((f"--set {k}={overrides[k]!r}" for k in ("num_key_value_heads", "num_attention_heads") if k in
+                      overrides), "the config's")  # fmt: skip
+        raise EstimateError(
+            f"{given}: {kv_heads} key/value heads do not divide {heads} attention heads (each key/value head serves a "
+            "group of query heads). Set num_key_value_heads to a divisor of num_attention_heads."
+        )
+
+
+def position_limit(model: nn.Module) -> Optional[int]:
+    """The longest sequence a model with learned absolute positions (GPT-2's ``wpe``, OPT's and BART's
+    ``embed_positions``) can embed; ``None`` for rotary and other positions, which take any length."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
+            return module.num_embeddings - int(getattr(module, "offset", 0) or 0)
+    return None
 
 
 def _check_layers(config: Any) -> None:
@@ -245,7 +273,7 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError) as err:
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError, AssertionError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimateError(
             f"--model {config.model_type}: transformers cannot build the model from this config "
@@ -260,7 +288,9 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_targets(config, training)
+    targets: Any = lora_targets(config, training)
+    if targets == ["all-linear"]:  # PEFT's own spelling, which it takes as a string only
+        targets = "all-linear"
     lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, target_modules=targets)
     try:
         with torch.device(device):
