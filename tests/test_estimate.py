@@ -895,3 +895,18 @@ def test_loras_all_linear_and_the_longest_length_within_learned_positions():
     assert every.description == named.description and "(2.5 M trainable)" in every.description, "all seven linears"
     gpt2 = estimate("gpt2", 512, modes=["full"], device_memory=["80GiB"], overrides={"n_layer": 2})
     assert [(fit.seq, fit.limited) for fit in gpt2.longest] == [(1024, True)], "not beyond its 1,024 positions"
+
+
+def test_attention_dropout_is_counted_as_cudas_flash_kernel_runs_it():
+    """GPT-2's default attn_pdrop=0.1 sends the CPU's SDPA to its math kernel (a seq x seq matrix per layer): a CUDA
+    target counts what its flash kernel saves, as without dropout; a CPU target what the CPU runs."""
+    (mode,) = resolve_modes(["off"], False)
+    steps = {}
+    for dropout in (0.0, 0.1):
+        config = tiny_config("gpt2", attn_pdrop=dropout)
+        for target in ("cuda", "cpu"):
+            steps[dropout, target] = fake_step(config, torch.float32, Training(4), mode, 256, 2, "sgd", target=target)
+        assert config.attn_pdrop == dropout, "the caller's config is left as it was"
+    peak = {key: step.activation_peak_bytes for key, step in steps.items()}
+    assert peak[0.1, "cuda"] == peak[0.0, "cuda"]
+    assert peak[0.1, "cpu"] > peak[0.0, "cpu"] + 4 * 2 * 4 * 256 * 256 * 4 // 2, "the math kernel's seq x seq"

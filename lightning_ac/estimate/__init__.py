@@ -71,7 +71,9 @@ NOTES = [
     "not seen: allocator fragmentation and the CUDA context (the margin stands for them), kernels' internal "
     "workspaces (cuBLAS, attention), custom or Triton kernels (a fake step needs a fake implementation of each op)",
     "attention: the CPU's SDPA kernel saves what CUDA's flash kernel saves (q, k, v, out, logsumexp) for causal "
-    "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors",
+    "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors; on a "
+    "CUDA target an attention dropout is counted as CUDA's flash kernel runs it (the CPU's SDPA would run its math "
+    "kernel, which keeps a seq x seq matrix per layer)",
     "the step is the one after a first: the step before's gradients exist until Lightning zeroes them after the "
     "forward; the optimizer's state exists; on a CUDA target adamw and sgd run their foreach implementation, as "
     "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
