@@ -583,3 +583,114 @@ def test_the_head_table_gives_the_heads_share_and_chunked_loss_against_the_floor
     assert list(measured) == [32, 512] and all(len(r) == len(head.HEAD_MODES) for r in measured.values())
     assert "| 512 |" in (tmp_path / "head.md").read_text()
     assert set(json.loads((tmp_path / "head.json").read_text())) == {"32", "512"}
+
+
+def test_gradients_are_compared_as_each_mode_ends_and_only_the_references_are_kept():
+    """The H200's gpu-8k run kept every mode's float32 gradients (4.4 GB each) for a comparison at the end, and the
+    kernel killed it after 28 rows: what the comparison holds is the references' gradients, whatever the number of
+    modes."""
+    from lightning_ac.bench.grads import GradientDiffs
+
+    def grads(value):
+        return {"w": torch.full((1000,), float(value)), "b": torch.full((10,), float(value))}
+
+    held = []
+    for count in (1, 5):
+        diffs = GradientDiffs(lambda m: "lora_full" if m.startswith("layer") else "off")
+        diffs.add("off", grads(0))
+        for i in range(count):
+            diffs.add(f"mode_{i}", grads(i + 1))
+        held.append(diffs.held_bytes)
+        assert [diffs.diff(f"mode_{i}") for i in range(count)] == [float(i + 1) for i in range(count)]
+    assert held[0] == held[1] == 1010 * 4
+    diffs.add("layer_offload", grads(1))
+    assert diffs.diff("layer_offload") is None, "no lora_full ran: no figure, not a comparison with off"
+
+
+def test_the_gradient_capture_falls_in_a_warm_up_step_and_a_failed_mode_is_said_at_once(tmp_path, monkeypatch, capsys):
+    """The capture (a model-sized copy to the host) fell inside a timed step when --steps was small (the H200's `off`
+    at 1.508 s against 0.149 s): it is taken in a warm-up step, which no step time counts; a mode that fails says so
+    the moment it does; the table stands after each mode (results.md, marked partial, until the run ends)."""
+    import lightning_ac.bench.run as run
+
+    tiny_preset(monkeypatch)
+    captured, timed_steps, written = [], [], []
+
+    original = run._BenchModule.on_before_optimizer_step
+
+    def spy(self, optimizer):
+        had = self.grads is not None
+        original(self, optimizer)
+        if self.grads is not None and not had:
+            captured.append(self.trainer.global_step)
+
+    monkeypatch.setattr(run._BenchModule, "on_before_optimizer_step", spy)
+    original_end = run.StepMetrics.on_train_batch_end
+
+    def timed(self, trainer, *args):
+        before = len(self.step_times)
+        original_end(self, trainer, *args)
+        if len(self.step_times) > before:
+            timed_steps.append(trainer.global_step - 1)
+
+    monkeypatch.setattr(run.StepMetrics, "on_train_batch_end", timed)
+
+    def failing(model):
+        raise RuntimeError("no such thing here")
+
+    monkeypatch.setitem(run.ALL_ANCHORS, "broken_anchor", failing)
+    rows = run.run_benchmark("tiny", ["off", "broken_anchor", "full"], steps=1, on_progress=written.append)
+    assert captured == [run.CAPTURE_STEP] * 2 and timed_steps and run.CAPTURE_STEP not in timed_steps
+    assert re.search(
+        r"rep 0 broken_anchor +failed: RuntimeError: no such thing here\nrep 0 full ", capsys.readouterr().err
+    )
+    assert [r.status for r in rows] == ["ok", "failed: RuntimeError: no such thing here", "ok"]
+    assert len(written) == 3 and rows[2].max_grad_diff == 0.0
+
+
+def test_trls_offloader_gets_the_accelerate_state_its_trainer_sets_up():
+    """``trl_offload_full`` failed on the H200: "You must initialize the accelerate state ..." when TRL's offloader
+    logged a warning. The anchor now sets that state up as TRL's trainer (its Accelerator) does; TRL's offloader
+    itself needs a CUDA device (tests/test_gpu.py runs it there), so here the state is checked by the message."""
+    pytest.importorskip("trl")
+    from accelerate.logging import get_logger
+    from accelerate.state import PartialState
+
+    import lightning_ac.bench.modes as modes
+
+    PartialState._reset_state()
+    with pytest.raises(RuntimeError, match="You must initialize the accelerate state"):
+        get_logger("trl").warning("what TRL's offloader warns of")
+    with pytest.raises(Exception) as built:  # TRL's offloader on a CPU-only machine: no accelerator to stream with
+        modes._trl_context(torch.nn.Linear(2, 2))
+    assert "accelerate state" not in str(built.value)
+    get_logger("trl").warning("what TRL's offloader warns of")  # the state is there
+    PartialState._reset_state()
+
+
+def test_torch_sac_saves_attention_as_selective_attn_does_and_the_gpu_rows_gain_the_chunked_loss(monkeypatch):
+    """The anchor for SAC's own cost: torch's checkpoint wrapper with torch's selective contexts saving the attention
+    kernels, exact against off; on a GPU the default rows add it, full_chunked and offload_all with chunked_loss (the
+    head is most of what full and offload_all still hold at a 32,000-word vocabulary)."""
+    from lightning_ac.bench.modes import default_modes
+
+    tiny_preset(monkeypatch)
+    rows = bench.run_benchmark("tiny", ["off", "selective_attn", "torch_sac"], steps=1)
+    by = {r.mode: r for r in rows}
+    assert by["torch_sac"].status == "ok" and by["torch_sac"].max_grad_diff == 0.0
+    assert by["torch_sac"].peak_activation_bytes == by["selective_attn"].peak_activation_bytes, "the same saves"
+    gpu = default_modes(on_accelerator=True)
+    assert {"torch_sac", "full_chunked", "offload_all_chunked"} <= set(gpu)
+    assert not {"torch_sac", "full_chunked"} & set(default_modes(on_accelerator=False)), "cpu-small as it was"
+
+
+def test_the_copy_floor_is_the_bytes_each_way_at_the_measured_bandwidth():
+    from lightning_ac.bench.bus import copy_bandwidth, copy_floor_s
+    from lightning_ac.bench.run import Row
+    from lightning_ac.bench.tables import results_markdown
+
+    assert copy_bandwidth(torch.device("cpu")) is None, "on the CPU no copy crosses a bus"
+    assert copy_floor_s(2 * 2**30, (4 * 2**30, 2 * 2**30)) == 1.5, "2 GiB to the host at 2 GiB/s, back at 4 GiB/s"
+    assert copy_floor_s(None, (1.0, 1.0)) is None and copy_floor_s(2**30, None) is None
+    row = Row("offload_only", "suite", 1, 3.0, 0.0, moved_bytes=10 * 2**30, copy_floor_s=0.5)
+    assert "| `offload_only` | 10240.0 | 0.500 | 3.000 | 6.00x |" in results_markdown([row])

@@ -544,3 +544,14 @@ def test_the_estimate_matches_the_allocator_for_a_1b_model_at_8k_tokens(mode_nam
                   "measured_total": measured.peak_bytes, "max_allocated": allocated, "max_reserved": reserved,
                   "reserved_minus_allocated": reserved - allocated}  # fmt: skip
         print("estimate vs allocator:", json.dumps(record))
+
+
+def test_the_benchmark_measures_the_copy_bandwidth_each_way_and_the_offload_rows_traffic():
+    from lightning_ac.bench.bus import copy_bandwidth
+    from lightning_ac.bench.run import run_benchmark
+
+    to_device, to_host = copy_bandwidth(torch.device("cuda"))
+    assert to_device > 2**30 and to_host > 2**30, "a pinned copy crosses PCIe at GB/s"
+    rows = {r.mode: r for r in run_benchmark("cpu-small", ["off", "offload_only", "offload_hidden"], reps=1, steps=1)}
+    assert rows["offload_only"].moved_bytes > rows["offload_hidden"].moved_bytes > 0
+    assert 0 < rows["offload_only"].copy_floor_s < rows["offload_only"].step_time_s

@@ -61,6 +61,13 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             )
 
 
+def write_rows(out: Path, preset: str, rows: List[Row], table: str, partial: bool = False) -> None:
+    """``results.json`` and ``results.md`` in ``out``; ``partial``: the rows as they stand while the run goes on."""
+    note = "(partial: written as each mode ends; the run had not finished)\n\n" if partial else ""
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    (out / "results.md").write_text(f"preset: {preset}\n{note}\n{table}")
+
+
 def main(argv: Optional[List[str]] = None) -> List[Row]:
     parser = argparse.ArgumentParser(prog="python -m lightning_ac.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -109,7 +116,14 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
     if modes is None and args.no_compiled:
         defaults = PRESETS[preset].get("modes") or default_modes(torch.cuda.is_available())
         modes = [m for m in defaults if m not in ALL_COMPILED]
-    rows = run_benchmark(preset, modes, args.seq, args.batch, args.dtype, args.reps, args.steps, model=args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def write_so_far(rows_so_far: List[Row]) -> None:
+        # after each mode: a run cut short (killed for host memory, out of time) still leaves its table
+        write_rows(args.out, preset, rows_so_far, results_markdown(rows_so_far, []), partial=True)
+
+    measured = (args.seq, args.batch, args.dtype, args.reps, args.steps)
+    rows = run_benchmark(preset, modes, *measured, model=args.model, on_progress=write_so_far)
     verdicts = check_goals(rows, PRESETS[preset].get("goals", ()))
     table = results_markdown(rows, verdicts)
     print(table)
@@ -135,11 +149,9 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
             advice += f"\nNot planned: {', '.join(unplanned)} ({why_not_planned(unplanned)})."
         print(advice)
     if args.out:  # always set (default bench_out)
-        args.out.mkdir(parents=True, exist_ok=True)
         if advice is not None:
             (args.out / "plan.txt").write_text(advice + "\n")
-        (args.out / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        (args.out / "results.md").write_text(f"preset: {preset}\n\n{table}")
+        write_rows(args.out, preset, rows, table)
         if verdicts:
             goals = [{**asdict(v), "verdict": v.text} for v in verdicts]
             (args.out / "goals.json").write_text(json.dumps(goals, indent=2) + "\n")

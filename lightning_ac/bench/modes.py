@@ -52,6 +52,8 @@ ACCELERATOR_SUITE_MODES: Dict[str, Any] = {
     },
     "offload_all": {"offload": {"all": "cpu"}},
     "offload_only": {"enabled": False, "offload": {"all": "cpu"}},
+    # with a real vocabulary the head is most of what full and offload_all still hold (gpu-8k: 0.23x and 0.19x off)
+    "offload_all_chunked": {"offload": {"all": "cpu"}, "chunked_loss": True},
 }
 
 
@@ -59,7 +61,7 @@ def _hf_native_full(model: nn.Module) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _torch_checkpoint_wrapper(model: nn.Module) -> None:
+def _torch_checkpoint_wrapper(model: nn.Module, context_fn: Optional[Callable[[], Any]] = None) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -67,11 +69,26 @@ def _torch_checkpoint_wrapper(model: nn.Module) -> None:
     )
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if context_fn is not None:
+        wrapper = functools.partial(wrapper, context_fn=context_fn)
     apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer)
     )
+
+
+def _torch_sac(model: nn.Module) -> None:
+    """torch's own selective checkpointing saving what ``selective_attn`` saves (the attention kernels): torch's
+    checkpoint wrapper with ``create_selective_checkpoint_contexts`` and a policy of its own, eager, no code of ours
+    but the op names. ``selective_attn`` against it is our policy's cost; it against ``full``, torch's SAC's."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from lightning_ac.selective.ops import is_attention, op_name
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_SAVE if is_attention(op_name(func)) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    _torch_checkpoint_wrapper(model, functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def _hf_native_offload(model: nn.Module) -> None:
@@ -145,15 +162,26 @@ def _trl_offloader(full: bool) -> Callable[[nn.Module], None]:
     def apply(model: nn.Module) -> None:
         if full:
             _hf_native_full(model)
-        model._bench_step_context = lambda m: importlib.import_module(_TRL_OFFLOADING).get_act_offloading_ctx_manager(m)
+        model._bench_step_context = _trl_context
 
     apply.requires = _TRL_OFFLOADING  # type: ignore[attr-defined]
     return apply
 
 
+def _trl_context(model: nn.Module) -> Any:
+    """TRL's offloading context for ``model``, with the state TRL's trainer has: its ``Accelerator`` initialises
+    accelerate's state, which TRL's logger needs (the H200 run's ``trl_offload_full`` failed on "You must initialize the
+    accelerate state" when the offloader warned of host memory)."""
+    from accelerate import PartialState
+
+    PartialState()
+    return importlib.import_module(_TRL_OFFLOADING).get_act_offloading_ctx_manager(model)
+
+
 ANCHORS: Dict[str, Callable[[nn.Module], None]] = {
     "hf_native_full": _hf_native_full,
     "torch_checkpoint_wrapper": _torch_checkpoint_wrapper,
+    "torch_sac": _torch_sac,
 }
 _TORCHTUNE_LOSS = "torchtune.modules.loss"
 TORCHTUNE_CHUNKS = 8  # CEWithChunkedOutputLoss's default, and what torchtune's recipes use
@@ -313,7 +341,10 @@ def layer_offload_mode(model: nn.Module, resident: Optional[str], on_host: bool)
 def default_modes(on_accelerator: bool, compiled: bool = True) -> List[str]:
     """Every mode that runs here, in table order; without the compiled ones unless ``compiled``."""
     modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
-    modes += (list(COMPILED_MODES) if compiled else []) + list(ANCHORS) + (list(COMPILED_ANCHORS) if compiled else [])
+    # on the GPU, the output head's rows too (a preset there has a real vocabulary), and torch's own SAC beside ours
+    modes += ["full_chunked"] if on_accelerator else []
+    anchors = [a for a in ANCHORS if on_accelerator or a != "torch_sac"]  # on the CPU: python -m ...bench.sac_cost
+    modes += (list(COMPILED_MODES) if compiled else []) + anchors + (list(COMPILED_ANCHORS) if compiled else [])
     modes += list(ACCELERATOR_ANCHORS) if on_accelerator else []
     return modes + (list(LAYER_OFFLOAD_MODES) if on_accelerator else [])
 

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from lightning_ac._logging import log
+from lightning_ac.bench.bus import copy_bandwidth, copy_floor_s
+from lightning_ac.bench.grads import REFERENCES, GradientDiffs
 from lightning_ac.bench.memory import StepMetrics
 from lightning_ac.bench.modes import (
     ALL_ANCHORS,
@@ -41,7 +43,7 @@ from lightning_ac.bench.modes import (
     warm_up_compiler,
 )
 from lightning_ac.bench.presets import PRESETS, build_model, model_config
-from lightning_ac.callbacks import callbacks_from_config
+from lightning_ac.callbacks import ActivationOffload, callbacks_from_config
 
 __all__ = ["Row", "quiet", "run_benchmark"]
 
@@ -69,6 +71,8 @@ class Row:
     budget_bytes: Optional[int] = None  # the budget modes: their budget, and what each decoder layer settled on
     budget_choices: Optional[List[str]] = None
     compile_time_s: Optional[float] = None  # the compiled modes: the warm-up steps' excess over the median step
+    moved_bytes: Optional[int] = None  # the suite's offload rows: the bytes a step moves to the host (and back)
+    copy_floor_s: Optional[float] = None  # ... and the time they take on the bus at its measured bandwidth
 
 
 def _unwrapped_name(name: str) -> str:
@@ -80,14 +84,16 @@ class _BenchModule(pl.LightningModule):
         self,
         model: nn.Module,
         capture_grads: bool,
-        capture_step: int = 0,
+        capture_step: int = 1,
         loss: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.loss = loss  # None: the model's own, from the labels
         self.capture_grads = capture_grads
-        self.capture_step = capture_step  # the same step in every mode: they train bit-identically until then
+        # the same step in every mode (they train bit-identically until then), a warm-up step: the copy of a large
+        # model's gradients to the host falls in no timed step
+        self.capture_step = capture_step
         self.grads: Optional[Dict[str, torch.Tensor]] = None
         self._step_context: Any = None
         self._in_step_context = False
@@ -141,6 +147,11 @@ class _SameBatch(torch.utils.data.Dataset):
         return self.batch
 
 
+# The step whose gradients every mode hands over for the comparison: the second warm-up step (StepMetrics leaves the
+# first two steps out of the step times, and the budget rows more)
+CAPTURE_STEP = 1
+
+
 def _run_mode(
     mode: str,
     base: nn.Module,
@@ -167,8 +178,7 @@ def _run_mode(
     if mode in ALL_COMPILED and accelerator == "cpu":
         measure = False  # MemTracker cannot see inside compiled graphs (see COMPILED_MODES)
     metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
-    # every mode's last step but the budget's
-    module = _BenchModule(model, capture, capture_step=1 + steps, loss=training_loss(mode))
+    module = _BenchModule(model, capture, capture_step=CAPTURE_STEP, loss=training_loss(mode))
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
@@ -187,7 +197,9 @@ def _run_mode(
     finally:
         module.leave_step_context()
     plan = callbacks[0].budget_plan if mode in ALL_BUDGET_MODES else None
-    return metrics, module.grads, plan
+    offload = next((cb for cb in callbacks if isinstance(cb, ActivationOffload)), None)
+    moved = sum(target["bytes"] for target in offload.last_step.values()) if offload is not None else None
+    return metrics, module.grads, plan, moved
 
 
 def run_benchmark(
@@ -201,9 +213,11 @@ def run_benchmark(
     seed: int = 0,
     model: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    on_progress: Optional[Callable[[List[Row]], None]] = None,
 ) -> List[Row]:
     """Run the benchmark and return one :class:`Row` per mode (by default the preset's own rows, where it has them,
-    else every mode that runs here); ``vocab_size`` replaces the preset model's."""
+    else every mode that runs here); ``vocab_size`` replaces the preset model's. ``on_progress`` is handed the rows as
+    they stand after each mode runs (the CLI writes them: a run cut short still leaves its table)."""
     preset = copy.deepcopy(PRESETS[preset_name])
     seq, batch_size = seq or preset["seq"], batch or preset["batch"]
     reps, steps = reps or preset["reps"], steps or preset["steps"]
@@ -239,15 +253,24 @@ def run_benchmark(
     times: Dict[str, List[float]] = {m: [] for m in modes}
     peaks: Dict[str, Optional[int]] = {m: None for m in modes}
     device_peaks: Dict[str, Optional[int]] = {m: None for m in modes}
-    grads: Dict[str, Optional[Dict[str, torch.Tensor]]] = {m: None for m in modes}
+    diffs = GradientDiffs(lambda m: None if m in FLOOR_MODES else "lora_full" if m in LAYER_OFFLOAD_MODES else "off")
     plans: Dict[str, Optional[Dict[str, Any]]] = {m: None for m in modes}
+    moved: Dict[str, Optional[int]] = {m: None for m in modes}
+    bandwidth = copy_bandwidth(torch.device("cuda")) if on_accelerator else None
     compile_times: Dict[str, List[float]] = {m: [] for m in modes}
     for mode in modes:
         if status[mode] != "ok":
             print(f"{mode}: {status[mode]}", file=sys.stderr, flush=True)
+
+    def current_rows() -> List[Row]:
+        return _rows(modes, status, times, peaks, device_peaks, diffs, plans, compile_times, moved, bandwidth)
+
     for rep in range(reps):
-        # Alternate the order so that drift (thermal, other load) does not favour the modes that run first.
+        # Alternate the order so that drift (thermal, other load) does not favour the modes that run first; the
+        # references run first in the first repetition, so that each mode's gradients are compared as it ends.
         order = modes if rep % 2 == 0 else list(reversed(modes))
+        if rep == 0:
+            order = sorted(order, key=lambda m: m not in REFERENCES)
         for mode in order:
             if status[mode] != "ok":
                 continue
@@ -260,11 +283,14 @@ def run_benchmark(
                     continue
                 budget = int(full + ALL_BUDGET_MODES[mode] * (off - full))
             try:
-                metrics, mode_grads, plan = _run_mode(
+                metrics, mode_grads, plan, mode_moved = _run_mode(
                     mode, base, batch_ids, steps, rep == 0, rep == 0, accelerator, budget=budget
                 )
             except Exception as err:  # a mode that cannot run here is reported, not fatal
-                status[mode] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                status[mode] = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                print(f"rep {rep} {mode:26s} {status[mode]}", file=sys.stderr, flush=True)
+                if on_progress is not None:
+                    on_progress(current_rows())
                 continue
             times[mode].append(statistics.median(metrics.step_times))
             if mode in ALL_COMPILED:  # what the warm-up steps took beyond a step's time: compiling
@@ -273,16 +299,30 @@ def run_benchmark(
                 peaks[mode] = metrics.peak.activation_bytes if metrics.peak else None
                 if metrics.peak is not None and metrics.peak.source == "cuda_allocator":
                     device_peaks[mode] = metrics.peak.peak_bytes
-                grads[mode], plans[mode] = mode_grads, plan
+                plans[mode], moved[mode] = plan, mode_moved
+                diffs.add(mode, mode_grads)  # compared now; only the references' gradients are kept
+                del mode_grads
             print(f"rep {rep} {mode:26s} step {times[mode][-1]:.3f} s", file=sys.stderr, flush=True)
+            if on_progress is not None:
+                on_progress(current_rows())
+    return current_rows()
 
+
+def _rows(
+    modes: List[str],
+    status: Dict[str, str],
+    times: Dict[str, List[float]],
+    peaks: Dict[str, Optional[int]],
+    device_peaks: Dict[str, Optional[int]],
+    diffs: GradientDiffs,
+    plans: Dict[str, Optional[Dict[str, Any]]],
+    compile_times: Dict[str, List[float]],
+    moved: Dict[str, Optional[int]],
+    bandwidth: Optional[Any],
+) -> List[Row]:
+    """The rows as measured so far."""
     rows = []
     for mode in modes:
-        diff = None
-        # the floor trains another loss: no gradients to compare with
-        reference = None if mode in FLOOR_MODES else grads.get("lora_full" if mode in LAYER_OFFLOAD_MODES else "off")
-        if reference is not None and grads[mode] is not None:
-            diff = max(float((grads[mode][n] - g).abs().max()) for n, g in reference.items())
         rows.append(
             Row(
                 mode=mode,
@@ -290,12 +330,14 @@ def run_benchmark(
                 peak_activation_bytes=peaks[mode],
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
                 step_time_spread=_spread(times[mode]),
-                max_grad_diff=diff,
+                max_grad_diff=diffs.diff(mode) if mode not in FLOOR_MODES else None,
                 status=status[mode],
                 peak_device_bytes=device_peaks[mode],
                 budget_bytes=plans[mode]["budget_bytes"] if plans[mode] else None,
                 budget_choices=plans[mode]["choices"] if plans[mode] else None,
                 compile_time_s=statistics.median(compile_times[mode]) if compile_times[mode] else None,
+                moved_bytes=moved[mode],
+                copy_floor_s=copy_floor_s(moved[mode], bandwidth),
             )
         )
     return rows

@@ -68,10 +68,30 @@ def results_markdown(rows: List[Row], verdicts: Sequence[Verdict] = ()) -> str:
     text = ("\n".join(lines) + "\n" if lines else "") + (_budget_markdown(budgets, rows) if budgets else "")
     text += _compiled_markdown(compiled, by.get("full")) if compiled else ""
     text += _layer_offload_markdown(offloaded) if offloaded else ""
+    moving = [r for r in rows if r.moved_bytes]
+    text += _copy_floor_markdown(moving) if moving else ""
     text += goals_markdown(verdicts) if verdicts else ""
     text = text.removeprefix("\n")  # a table that follows none starts the text
     notes = [note for mark, note in (("~", NOISE_NOTE), (ONE_REPETITION, ONE_REPETITION_NOTE)) if f"x{mark} |" in text]
     return text + "".join(f"\n{note}\n" for note in notes)
+
+
+def _copy_floor_markdown(rows: Sequence[Row]) -> str:
+    """The offload rows' traffic: the bytes a step moves each way, the time they take on the bus at its measured
+    bandwidth (the copy floor; on a device only), and the step against it."""
+    lines = [
+        "",
+        "What the offload rows move (each way, a step) and the bus time it needs (a pinned 1 GiB copy measured first):",
+        "",
+        "| mode | moved each way (MiB) | copy floor (s) | step (s) | step vs floor |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        floor = f"{r.copy_floor_s:.3f}" if r.copy_floor_s is not None else "—"
+        step = f"{r.step_time_s:.3f}" if r.step_time_s is not None else "—"
+        against = f"{r.step_time_s / r.copy_floor_s:.2f}x" if r.copy_floor_s and r.step_time_s is not None else "—"
+        lines.append(f"| `{r.mode}` | {r.moved_bytes / 2**20:.1f} | {floor} | {step} | {against} |")
+    return "\n".join(lines) + "\n"
 
 
 def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:

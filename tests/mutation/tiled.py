@@ -13,10 +13,17 @@ T = "tests/test_tiled_mlp.py"
 MUTANTS: List[Mutant] = [
     Mutant(
         FUNCTION,
-        "grads[index] = g if grads[index] is None else grads[index] + g",
-        "grads[index] = g",
+        "                        total.add_(g)",
+        "                        grads[index] = g.float()",
         "the weights' gradients keep the last tile's only (a full fine-tune or LoRA on the MLP learns from one tile)",
         (T,),
+    ),
+    Mutant(
+        FUNCTION,
+        "grads[index] = g.to(torch.float32, copy=True)",
+        "grads[index] = g.clone()",
+        "the tiles' gradients summed in the parameters' dtype (bf16: 6x the untiled rounding at 128 tiles)",
+        (f"{T}::test_in_bf16_the_tiles_weight_gradients_round_as_the_untiled_ones_do",),
     ),
     Mutant(
         FUNCTION,
@@ -86,8 +93,8 @@ MUTANTS += [
     ),
     Mutant(
         FUNCTION,
-        "            out[start:end] = tile",
-        "            out[start : start + 1] = tile[:1]",
+        "            out.view(-1, tile.shape[-1])[start:end] = tile",
+        "            out.view(-1, tile.shape[-1])[start : start + 1] = tile[:1]",
         "the forward writes only each tile's first token into the output",
         (T,),
     ),
