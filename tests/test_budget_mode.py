@@ -577,3 +577,18 @@ def test_activations_that_do_not_scale_per_token_are_measured_instead(caplog):
     assert any("did not scale linearly with the tokens" in m for m in caplog.messages)
     assert probe.budget.tokens == 256 and peak <= budget
     assert_exact(plain, run)
+
+
+def test_the_output_heads_working_set_is_measured_with_a_real_vocabulary():
+    """The CPU's twin of the CUDA budget test: with a real vocabulary the measuring step finds the head's working set
+    (logits and their gradient, in float32), beside the layers' figures; with a tiny one it is folded into theirs."""
+    from conftest import fit
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            cb = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+            self.head_bytes = cb.plan.budget.head_bytes
+
+    keep = Keep()
+    fit(tiny_model("llama", vocab_size=4096), [ActivationCheckpointing(budget=2**30), keep], max_steps=2)
+    assert keep.head_bytes > 2 * 32 * 4096 * 4, "at least the float32 logits of the 2 x 32 tokens"
