@@ -4,8 +4,9 @@ The estimate counts the bytes the step's tensors hold (what ``torch.cuda.max_mem
 allocation rounded to the allocator's 512-byte blocks). A device needs more than that: the CUDA context and the
 libraries' handles live outside the allocator; the libraries' workspaces are allocated once, on first use (cuBLAS's
 through the allocator, 32 MiB a stream on Hopper: 68 MB in the H200's first step of a tiny model), and kept; and the
-caching allocator reserves more than it allocates (fragmentation: blocks split and cached between steps). Until a GPU measures it, the margin is an
-assumption (:data:`MARGIN_NOTE`): :data:`CONTEXT_BYTES` plus :data:`FRAGMENTATION` of the allocated peak.
+caching allocator reserves more than it allocates (fragmentation: blocks split and cached between steps). Until a
+GPU measures it, the margin is an assumption (:data:`MARGIN_NOTE`): :data:`CONTEXT_BYTES` plus
+:data:`FRAGMENTATION` of the allocated peak.
 """
 
 from __future__ import annotations
