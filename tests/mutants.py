@@ -32,7 +32,7 @@ from mutation import Equivalent, Mutant  # noqa: E402
 from mutation.sync import find_mutants as find_sync_mutants  # noqa: E402
 
 PARTS = ("sync", "loss", "budget", "measure", "estimate", "tiled")
-COPIED = ("lightning_ac", "tests", "conf", "examples", "pyproject.toml", "README.md")
+COPIED = ("lightning_ac", "tests", "conf", "examples", "scripts", "pyproject.toml", "README.md")
 TIMEOUT_S = 900  # a mutant that hangs (a wait that never returns) counts as killed after this
 SIMULATED = ("-m", "simulated")
 DEFAULT = ("-m", "not slow and not gpu")
