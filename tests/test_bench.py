@@ -646,6 +646,14 @@ def test_the_gradient_capture_falls_in_a_warm_up_step_and_a_failed_mode_is_said_
     )
     assert [r.status for r in rows] == ["ok", "failed: RuntimeError: no such thing here", "ok"]
     assert len(written) == 3 and rows[2].max_grad_diff == 0.0
+    # the capture neither in the measured step: a mode's memory is the same with and without it (on the CPU the copy
+    # of the gradients counted as the step's: cpu-vocab's full_chunked read 149.1 MiB instead of 72.0)
+    config = run.model_config(bench.PRESETS["tiny"], None)
+    config.vocab_size = 8192  # gradients (the embedding's and the head's) far larger than a 16-token step's activations
+    base = run.build_model(config, torch.float32, 0)
+    ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(0))
+    peaks = [run._run_mode("full", base, ids, 1, True, capture, "cpu")[0].peak.activation_bytes for capture in (1, 0)]
+    assert peaks[0] == peaks[1]
 
 
 def test_trls_offloader_gets_the_accelerate_state_its_trainer_sets_up():

@@ -84,7 +84,7 @@ class _BenchModule(pl.LightningModule):
         self,
         model: nn.Module,
         capture_grads: bool,
-        capture_step: int = 1,
+        capture_step: int = 0,
         loss: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None,
     ) -> None:
         super().__init__()
@@ -147,9 +147,10 @@ class _SameBatch(torch.utils.data.Dataset):
         return self.batch
 
 
-# The step whose gradients every mode hands over for the comparison: the second warm-up step (StepMetrics leaves the
-# first two steps out of the step times, and the budget rows more)
-CAPTURE_STEP = 1
+# The step whose gradients every mode hands over for the comparison: the first, a warm-up step that is neither timed
+# (StepMetrics leaves the first two steps out of the step times, and the budget rows more) nor measured (the second
+# step is: on the CPU a copy of the gradients there would count as its memory)
+CAPTURE_STEP = 0
 
 
 def _run_mode(
