@@ -603,6 +603,7 @@ def test_gradients_are_compared_as_each_mode_ends_and_only_the_references_are_ke
         held.append(diffs.held_bytes)
         assert [diffs.diff(f"mode_{i}") for i in range(count)] == [float(i + 1) for i in range(count)]
     assert held[0] == held[1] == 1010 * 4
+    assert diffs.scale("mode_0") == 0.0 and diffs.scale("off") == 0.0, "off's largest gradient, the tolerance's scale"
     diffs.add("layer_offload", grads(1))
     assert diffs.diff("layer_offload") is None, "no lora_full ran: no figure, not a comparison with off"
 

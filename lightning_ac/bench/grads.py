@@ -30,6 +30,7 @@ class GradientDiffs:
         self.reference_of = reference_of
         self.diffs: Dict[str, Optional[float]] = {}
         self._references: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._scales: Dict[str, float] = {}  # each reference's largest gradient, which a difference is relative to
 
     def add(self, mode: str, grads: Optional[Dict[str, torch.Tensor]]) -> None:
         """Take ``mode``'s gradients: a reference's are kept (its own difference is 0); any other mode's are compared
@@ -38,6 +39,7 @@ class GradientDiffs:
             return
         if mode in REFERENCES:
             self._references[mode] = grads
+            self._scales[mode] = max(float(g.abs().max()) for g in grads.values())
             self.diffs[mode] = 0.0
             return
         reference = self._references.get(self.reference_of(mode) or "")
@@ -46,6 +48,10 @@ class GradientDiffs:
     def diff(self, mode: str) -> Optional[float]:
         """``mode``'s largest gradient difference, ``None`` when it has none."""
         return self.diffs.get(mode)
+
+    def scale(self, mode: str) -> Optional[float]:
+        """The largest gradient of ``mode``'s reference (a bf16 tolerance is relative to it), ``None`` without one."""
+        return self._scales.get(self.reference_of(mode) or "") if self.diffs.get(mode) is not None else None
 
     @property
     def held_bytes(self) -> int:

@@ -73,6 +73,7 @@ class Row:
     compile_time_s: Optional[float] = None  # the compiled modes: the warm-up steps' excess over the median step
     moved_bytes: Optional[int] = None  # the suite's offload rows: the bytes a step moves to the host (and back)
     copy_floor_s: Optional[float] = None  # ... and the time they take on the bus at its measured bandwidth
+    max_grad_ref_abs: Optional[float] = None  # the reference's largest gradient: max_grad_diff is relative to it
 
 
 def _unwrapped_name(name: str) -> str:
@@ -332,6 +333,7 @@ def _rows(
                 step_time_s=statistics.median(times[mode]) if times[mode] else None,
                 step_time_spread=_spread(times[mode]),
                 max_grad_diff=diffs.diff(mode) if mode not in FLOOR_MODES else None,
+                max_grad_ref_abs=diffs.scale(mode) if mode not in FLOOR_MODES else None,
                 status=status[mode],
                 peak_device_bytes=device_peaks[mode],
                 budget_bytes=plans[mode]["budget_bytes"] if plans[mode] else None,
