@@ -44,6 +44,15 @@ class TrainModeGuard:
         self._names: Dict[int, str] = {id(m): name for name, m in root.named_modules() if name}
         self._handles: List[Any] = []
 
+    @classmethod
+    def install_on(
+        cls, root: nn.Module, layers: Any, recomputed: Callable[[], Sequence[bool]], chunked_loss: Any
+    ) -> TrainModeGuard:
+        """A guard installed on ``layers`` and the models of ``chunked_loss`` (``None``: no chunked loss)."""
+        guard = cls(root, layers, recomputed, chunked_loss.models if chunked_loss is not None else [])
+        guard.install()
+        return guard
+
     def install(self) -> None:
         for index, layer in enumerate(self.layers.modules):
             self._handles.append(layer.register_forward_pre_hook(self._layer_hook(index)))

@@ -230,11 +230,10 @@ class Plan:
             if self._fitting:
                 self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
-                # the modules that act only in training mode, checked where the step reaches them; what the budget
-                # chose is in self.recomputed (it may change from step to step)
-                chunked_models = self.chunked_loss.models if self.chunked_loss is not None else []
-                self.train_mode = TrainModeGuard(self.module, layers, lambda: self.recomputed, chunked_models)
-                self.train_mode.install()
+                # what acts only in training mode, checked where the step reaches it (the budget's choice may change)
+                self.train_mode = TrainModeGuard.install_on(
+                    self.module, layers, lambda: self.recomputed, self.chunked_loss
+                )
             self._install_verifier()
             self._wrap_training_step()
             self._journal.commit()
