@@ -46,10 +46,12 @@ class TrainModeGuard:
 
     @classmethod
     def install_on(
-        cls, root: nn.Module, layers: Any, recomputed: Callable[[], Sequence[bool]], chunked_loss: Any
+        cls, root: nn.Module, layers: Any, recomputed: Callable[[], Sequence[bool]], chunked_loss: Any, trainer: Any
     ) -> TrainModeGuard:
-        """A guard installed on ``layers`` and the models of ``chunked_loss`` (``None``: no chunked loss)."""
+        """A guard installed on ``layers`` and the models of ``chunked_loss`` (``None``: no chunked loss), acting
+        while ``trainer`` trains (its validation steps are left alone)."""
         guard = cls(root, layers, recomputed, chunked_loss.models if chunked_loss is not None else [])
+        guard.training = lambda: bool(getattr(trainer, "training", True))  # type: ignore[method-assign]
         guard.install()
         return guard
 
@@ -64,9 +66,17 @@ class TrainModeGuard:
             handle.remove()
         self._handles = []
 
+    training: Callable[[], bool] = staticmethod(lambda: True)  # type: ignore[assignment]
+
+    def _reached(self, module: nn.Module) -> bool:
+        """A training step's forward reached ``module`` in eval mode with gradients on (not a validation step that
+        enabled gradients, not a recompute in backward)."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        return not module.training and torch.is_grad_enabled() and not in_backward and self.training()
+
     def _layer_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if module.training or not torch.is_grad_enabled():
+            if not self._reached(module):
                 return
             recomputed = self.recomputed()
             if index < len(recomputed) and recomputed[index]:
@@ -75,7 +85,7 @@ class TrainModeGuard:
         return hook
 
     def _model_hook(self, module: nn.Module, args: Any) -> None:
-        if not module.training and torch.is_grad_enabled():
+        if self._reached(module):
             name = self._name(module)
             self._raise(f"the chunked loss would not run for {name} ({type(module).__name__})", name)
 

@@ -418,7 +418,7 @@ def test_engine_detects_an_edit_racing_the_copy():
     engine.start_step()
     saved = torch.ones(4)
     packed = engine.pack(saved, "all")
-    engine._stash_push((InFlight(), saved, saved, saved._version, packed.copy))
+    engine._stash_push((InFlight(), saved, saved, saved._version, packed.copy, None))
     saved.mul_(2)  # the compute stream edits it while the (pretend) copy still reads it
     engine.finish_step()
     with pytest.raises(RuntimeError, match="edited in place while it was being copied"):

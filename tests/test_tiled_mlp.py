@@ -452,7 +452,7 @@ def test_a_tile_runs_the_mlps_own_ops_and_one_copy_and_one_sum_per_trainable_par
         tiled.remove()
     mlp_own = Counter({op: tiles * (untiled[op] + forward_only[op]) for op in untiled | forward_only})
     sums = len(trainable) * (tiles - 1)
-    to_float32 = 2 * len(trainable) if dtype == torch.bfloat16 else len(trainable)  # bf16: and back to bf16
+    to_float32 = 2 * len(trainable) if dtype == torch.bfloat16 else 0  # bf16: to float32 and back; float32: no copy
     expected = mlp_own + Counter({"copy_": 2 * tiles, "add_": sums, "_to_copy": to_float32, "new_empty": 1})
     expected["empty_like"] += 1
     assert ops == expected, (ops - expected, expected - ops)
@@ -599,3 +599,16 @@ def test_the_applied_line_counts_layers_and_mlp_modules_apart():
     tiled = TiledMLP(8, [Two(), Two()], mlp_modules=["ffn_*"])
     assert tiled.describe() == "tiled MLP (2 decoder layers: 4 MLP modules, tile_tokens: 8)"
     assert TiledMLP(8, [_MLPBlock()]).describe() == "tiled MLP (1 decoder layers, tile_tokens: 8)"
+
+
+def test_auto_tiles_count_gpt2s_conv1d_and_autocasts_dtype(monkeypatch):
+    """GPT-2's MLP is Conv1D (``nf``, not ``out_features``): sized by its 3,072-wide intermediate, not as a norm; under
+    autocast (bf16-mixed: float32 weights and input) the intermediates are bf16."""
+    import lightning_ac.tiled_mlp.install as install
+
+    model = tiny_model("gpt2", intermediate_size=256)
+    assert install.widest_output(model.transformer.h[0].mlp) == 256
+    x = torch.randn(4, 4)
+    assert install._compute_itemsize(x) == 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert install._compute_itemsize(x) == 2

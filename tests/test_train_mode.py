@@ -129,3 +129,18 @@ def test_what_the_step_does_not_reach_in_eval_mode_with_gradients_is_left_alone(
     make_trainer([plain]).fit(module_cls(clone(base)), batches())
     make_trainer([ActivationCheckpointing(), checkpointed]).fit(module_cls(model), batches())
     assert checkpointed.counts[0] - plain.counts[0] == 4 * 6, "every layer's q, k, v, o, gate and up again"
+
+
+class ValidatesWithGradients(LM):
+    """A validation step that enables gradients (a gradient probe) on a model that Lightning put in eval mode."""
+
+    def validation_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def test_a_validation_step_with_gradients_enabled_is_left_alone():
+    module = ValidatesWithGradients(tiny_model("llama"))
+    trainer = make_trainer([ActivationCheckpointing()], limit_val_batches=1, val_check_interval=1, inference_mode=False)
+    trainer.fit(module, batches(), batches())
+    assert module.losses, "trained, and validated in eval mode with gradients on"

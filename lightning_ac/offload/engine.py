@@ -155,8 +155,9 @@ class TransferEngine:
         self._streams: Optional[DeviceStreams] = None
         self._copies: Dict[int, List[_HostCopy]] = {}  # storage data_ptr -> host copies, this step
         self._packed: List[Packed] = []  # this step, in pack order (backward runs roughly in reverse)
-        # (copy finished event, device bytes, the saved tensor, its version then, the copy)
-        self._stash: Deque[Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]] = collections.deque()
+        # (copy finished event, device bytes, the saved tensor, its version then, the copy, the stream that produced
+        # the tensor: the one its memory returns to, which must wait for the copy before reusing it)
+        self._stash: Deque[Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy, Any]] = collections.deque()
         self._stash_held = 0  # device bytes in the stash
         self._largest = 0  # the largest copy of this step, in bytes: the automatic stash bound is two of them
         self.peak_held_bytes = 0  # the most device bytes the stash held at once this step (awaiting their copy)
@@ -228,13 +229,13 @@ class TransferEngine:
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Bring a packed tensor back to the device, prefetching the saves backward needs next."""
+        self._release_finished()  # backward adds no copies: free what the bus has finished with (and check edits)
         if packed.copy.edited_in_flight:
             raise RuntimeError(
                 "A tensor saved for backward was edited in place while it was being copied to host memory, so "
                 "its host copy may be torn. Avoid the in-place edit, or register the op that produced it with "
                 "lightning_ac.register_mandatory_save (the forward then edits a clone)."
             )
-        self._release_finished()  # backward adds no copies: free what the bus has finished with
         data = self._reload(packed.copy)
         index = packed.index
         if self.prefetch and index < len(self._packed) and self._packed[index] is packed:
@@ -263,7 +264,10 @@ class TransferEngine:
         pool = self._pool.get(size)
         if pool:
             return pool.pop(), True
-        capped = self.max_pinned_bytes is not None and self._pinned_bytes + size > self.max_pinned_bytes
+        pinned = self._pinned_bytes + size
+        capped = self.max_pinned_bytes is not None and pinned > self.max_pinned_bytes
+        # the pool stays within what the host memory check allows a step (it holds its buffers between steps)
+        capped = capped or (self._host_limit is not None and pinned > self._host_limit)
         if self._async is not None and not capped:
             self._pinned_bytes += size
             return self._async.pinned_empty(size), True
@@ -300,11 +304,12 @@ class TransferEngine:
             if copies_held_in_flight():  # as if the bus had not finished: the stash holds the device bytes
                 self._make_room(nbytes)
                 copy.event = _HeldCopy()
-                self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy))
+                self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy, None))
             return copy
         self._make_room(nbytes)
         streams = self._ensure_streams()
-        streams.d2h.wait_stream(streams.current())  # after the kernels that produced the tensor
+        producer = streams.current()
+        streams.d2h.wait_stream(producer)  # after the kernels that produced the tensor
         # No wait on the reload stream: a pinned buffer returns to the pool only when its copy is collected, which
         # the engine's own references prevent until finish_step, after both streams are synchronized. A reload
         # still reading a pooled buffer could only be a prefetch of a copy dropped unread, whose bytes nobody uses.
@@ -313,21 +318,21 @@ class TransferEngine:
             copy.event = streams.d2h.record_event()
         # Keep the device bytes referenced until the copy has finished, so the allocator cannot reuse them, and
         # watch the version counter: an in-place edit on the compute stream could race with the copy.
-        self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy))
+        self._stash_push((copy.event, source, tensor.detach(), tensor._version, copy, producer))
         return copy
 
     @staticmethod
-    def _retire(entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]) -> None:
-        _, _, tensor, version, copy = entry
+    def _retire(entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy, Any]) -> None:
+        _, _, tensor, version, copy, _ = entry
         if tensor._version != version:
             copy.edited_in_flight = True
 
-    def _stash_push(self, entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]) -> None:
+    def _stash_push(self, entry: Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy, Any]) -> None:
         self._stash.append(entry)
         self._stash_held += entry[4].nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self._stash_held)
 
-    def _stash_pop(self) -> Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy]:
+    def _stash_pop(self) -> Tuple[Any, torch.Tensor, torch.Tensor, int, _HostCopy, Any]:
         entry = self._stash.popleft()
         self._stash_held -= entry[4].nbytes
         return entry
@@ -351,9 +356,10 @@ class TransferEngine:
             if isinstance(entry[0], _HeldCopy):
                 entry[0].done = True
             else:
-                # The compute stream waits for the oldest copy, never the host: the host keeps queueing kernels,
-                # and the memory dropped here is reused only by kernels queued after the wait.
-                self._ensure_streams().current().wait_event(entry[0])
+                # The stream that produced the tensor waits for the oldest copy, never the host: the host keeps
+                # queueing kernels, and the memory dropped here returns to that stream's pool, reused only by its
+                # kernels queued after the wait (the stream computing now may be another: FSDP2, a user's stream).
+                entry[5].wait_event(entry[0])
             self._retire(entry)
 
     def _ensure_streams(self) -> DeviceStreams:

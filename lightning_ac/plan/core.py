@@ -232,7 +232,7 @@ class Plan:
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
                 # what acts only in training mode, checked where the step reaches it (the budget's choice may change)
                 self.train_mode = TrainModeGuard.install_on(
-                    self.module, layers, lambda: self.recomputed, self.chunked_loss
+                    self.module, layers, lambda: self.recomputed, self.chunked_loss, self._trainer
                 )
             self._install_verifier()
             self._wrap_training_step()

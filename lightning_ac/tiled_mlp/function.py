@@ -110,7 +110,8 @@ class _TiledMLP(torch.autograd.Function):
                         continue
                     total = grads[index]
                     if total is None:
-                        grads[index] = g.to(torch.float32, copy=True)
+                        # a sum of several tiles in float32 (autograd.grad's result is the function's own to add to)
+                        grads[index] = g if len(ctx.tiles) == 1 or g.dtype == torch.float32 else g.float()
                     else:
                         total.add_(g)
                 del out, found

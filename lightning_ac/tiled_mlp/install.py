@@ -57,9 +57,18 @@ def auto_tile_tokens(tokens: int, bytes_per_token: int) -> int:
 
 
 def widest_output(module: nn.Module) -> int:
-    """The widest output of ``module``'s linear layers (``out_features``: an MLP's intermediate size; a 4-bit
-    layer's too), ``0`` where it has none (a norm)."""
-    return max((int(getattr(m, "out_features", 0) or 0) for m in module.modules()), default=0)
+    """The widest output of ``module``'s linear layers (``out_features``: an MLP's intermediate size, a 4-bit layer's
+    too; ``nf``: GPT-2's ``Conv1D``), ``0`` where it has none (a norm)."""
+    widths = (getattr(m, "out_features", None) or getattr(m, "nf", None) or 0 for m in module.modules())
+    return max((int(w) for w in widths), default=0)
+
+
+def _compute_itemsize(x: torch.Tensor) -> int:
+    """The bytes of an element the MLP's matmuls write: autocast's dtype where it is on (bf16-mixed), else the
+    input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.empty((), dtype=torch.get_autocast_dtype(x.device.type)).element_size()
+    return x.element_size()
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -198,10 +207,9 @@ class TiledMLP:
                 module.forward = saved  # type: ignore[method-assign]
 
     def _forward_of(self, module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-        # Found once, not at each call: walking a PEFT-wrapped MLP's modules for its parameters is Python work per
-        # call that the untiled MLP does not do. The widest intermediate: the MLP's linear outputs in the input's
-        # dtype; a norm's float32 copy of its input.
-        params = list(module.parameters())
+        # The widest intermediate: the MLP's linear outputs in the dtype they compute in; a norm's float32 copy of
+        # its input. The parameters are looked up at each call: FSDP2 swaps its unsharded parameters in at each
+        # forward, and LoRA added after install brings new ones.
         width = widest_output(module)
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -209,9 +217,9 @@ class TiledMLP:
                 return original(x, *args, **kwargs)
             tile = self.tile_tokens
             if tile == AUTO:
-                per_token = width * x.element_size() if width else x.shape[-1] * 4
+                per_token = width * _compute_itemsize(x) if width else x.shape[-1] * 4
                 tile = auto_tile_tokens(x.shape[:-1].numel(), per_token)
-            return tiled_mlp(original, x, params, int(tile))
+            return tiled_mlp(original, x, list(module.parameters()), int(tile))
 
         return forward
 

@@ -20,8 +20,8 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         FUNCTION,
-        "grads[index] = g.to(torch.float32, copy=True)",
-        "grads[index] = g.clone()",
+        "grads[index] = g if len(ctx.tiles) == 1 or g.dtype == torch.float32 else g.float()",
+        "grads[index] = g",
         "the tiles' gradients summed in the parameters' dtype (bf16: 6x the untiled rounding at 128 tiles)",
         (f"{T}::test_in_bf16_the_tiles_weight_gradients_round_as_the_untiled_ones_do",),
     ),
@@ -55,7 +55,7 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         INSTALL,
-        "per_token = width * x.element_size() if width else x.shape[-1] * 4",
+        "per_token = width * _compute_itemsize(x) if width else x.shape[-1] * 4",
         "per_token = x.shape[-1] * 4",
         "tile_tokens: auto sizes an MLP's tiles by its input (the hidden size), not its intermediate",
         (f"{T}::test_auto_tiles_are_sized_by_each_modules_own_intermediate",),
