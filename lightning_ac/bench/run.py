@@ -132,6 +132,14 @@ class _BenchModule(pl.LightningModule):
                 if p.grad is not None
             }
 
+    def take_grads(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The captured gradients, handed over and no longer held here: the module and its trainer refer to each
+        other and outlive the mode until Python's cycle collector runs (and a traceback a library keeps from inside
+        ``fit`` keeps the frames that called it), so gradients (a model's size in float32) left on the module, or in a
+        local of the caller's frame, would stay alive after the comparison is done with them."""
+        grads, self.grads = self.grads, None
+        return grads
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # A tiny learning rate keeps the weights (and the next step's cost) nearly unchanged between steps.
         return torch.optim.AdamW(self.parameters(), lr=1e-6)
@@ -201,7 +209,7 @@ def _run_mode(
     plan = callbacks[0].budget_plan if mode in ALL_BUDGET_MODES else None
     offload = next((cb for cb in callbacks if isinstance(cb, ActivationOffload)), None)
     moved = sum(target["bytes"] for target in offload.last_step.values()) if offload is not None else None
-    return metrics, module.grads, plan, moved
+    return metrics, module.take_grads(), plan, moved
 
 
 def run_benchmark(
