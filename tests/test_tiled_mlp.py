@@ -340,7 +340,7 @@ def test_a_sparse_mixture_of_experts_and_bad_values_are_refused():
     [
         (100_000, 14336 * 2, 8192),  # Llama-3-8B's MLP in bf16: 256 MiB / 28 KiB = 9,362 tokens, down to 8,192
         (100_000, 4096 * 4, 16384),  # its norms: a float32 copy of 4,096 hidden
-        (100_000, 2**18, 1024),  # an intermediate of 256 KiB a token: the floor of 1024 tokens
+        (100_000, 2**19, 1024),  # an intermediate of 512 KiB a token (512 tokens fit): the floor of 1024 tokens
         (100, 14336 * 2, 100),  # never more than the tokens there are
     ],
 )
