@@ -71,8 +71,9 @@ class TrainModeGuard:
     def _reached(self, module: nn.Module) -> bool:
         """A training step's forward reached ``module`` in eval mode with gradients on (not a validation step that
         enabled gradients, not a recompute in backward)."""
-        in_backward = torch._C._current_graph_task_id() != -1
-        return not module.training and torch.is_grad_enabled() and not in_backward and self.training()
+        if module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False  # (traced by torch.compile: checked in eager steps; a query here would break its graph)
+        return torch._C._current_graph_task_id() == -1 and self.training()
 
     def _layer_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
