@@ -13,12 +13,13 @@ compiles once the measurement ends.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
 
-__all__ = ["MemoryPeak", "StepMeasurement", "measure_step", "warm_up_libraries"]
+__all__ = ["MemoryPeak", "StepMeasurement", "first_matmuls", "measure_step", "warm_up_libraries"]
 
 
 @dataclass
@@ -45,9 +46,10 @@ def warm_up_libraries(device: torch.device) -> None:
     """Have cuBLAS allocate on ``device``'s current stream what it allocates once, on its first matmuls there: its
     workspaces (32 MiB each on Hopper, through the caching allocator, kept for good). A step measured after this
     counts its own memory only; the first CUDA step otherwise held them as if they were its activations (on the
-    H200, 68,039,168 bytes in a tiny model's first step against the 885,504 its budget allowed). What a budget bounds
-    is a step's activations: the first step's too, without the libraries' one-time allocations, which stay like the
-    parameters do (the estimator's margin stands for them)."""
+    H200, 68,039,168 bytes in a tiny model's first step against the 885,504 its budget allowed: two workspaces of
+    32 MiB, the forward's and the backward's). What a budget bounds is a step's activations: the first step's too,
+    without the libraries' one-time allocations, which stay like the parameters do (the estimator counts them in its
+    device total: :mod:`lightning_ac.estimate.workspaces`)."""
     if device.type != "cuda":
         return
     stream = torch.cuda.current_stream(device)
@@ -55,11 +57,28 @@ def warm_up_libraries(device: torch.device) -> None:
     if key in _WARMED:
         return
     _WARMED.add(key)
-    square = torch.ones(16, 16, device=device)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = square.to(dtype)
-        torch.addmm(x, x, x)  # cuBLASLt's path (a bias epilogue)
-        torch.mm(x, x)  # cuBLAS's
+    first_matmuls(device)
+
+
+def first_matmuls(device: torch.device) -> None:
+    """A matmul of each dtype a step computes in, forward and backward, on ``device``'s current stream.
+
+    cuBLAS keeps a workspace per handle and stream, and torch keeps a handle per thread: the backward's matmuls run
+    on autograd's own thread for the device, whose workspace is not the caller's, so the backward is run too. What
+    this saves goes past any saved-tensor hooks in force (the budget's counting, an offload's packing: it is no
+    step's activation), and it computes in each dtype as asked, whatever autocast is in force."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            # cuBLASLt's path (a bias epilogue), then cuBLAS's; their backward: matmuls on autograd's thread
+            torch.mm(torch.addmm(x, x, x), x).sum().backward()
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class StepMeasurement:

@@ -271,7 +271,8 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
 
         A choice measured over the budget is never chosen again (else the loop could go back to it); the first step
         is not held against later ones, as it also allocates what only a first step does (gradients that did not
-        exist yet, an accelerator library's workspace). After the ``measuring`` step (every layer recomputed to
+        exist yet; not the libraries' workspaces, allocated before any step is measured:
+        :func:`lightning_ac.memory.warm_up_libraries`). After the ``measuring`` step (every layer recomputed to
         measure them, not a choice) the plan's first choice is made: it is not a correction."""
         assert self.budget_bytes is not None and self.figures is not None
         budget, choices = self.budget_bytes, self.choices

@@ -69,7 +69,9 @@ __all__ = [
 DTYPES = ("bfloat16", "float16", "float32")
 NOTES = [
     "not seen: allocator fragmentation and the CUDA context (the margin stands for them), kernels' internal "
-    "workspaces (cuBLAS, attention), custom or Triton kernels (a fake step needs a fake implementation of each op)",
+    "workspaces other than cuBLAS's (counted on a CUDA target: two of 32 MiB, the forward's and the backward's; "
+    "CUBLAS_WORKSPACE_CONFIG sets their size), custom or Triton kernels (a fake step needs a fake implementation of "
+    "each op)",
     "attention: the CPU's SDPA kernel saves what CUDA's flash kernel saves (q, k, v, out, logsumexp) for causal "
     "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors; on a "
     "CUDA target an attention dropout is counted as CUDA's flash kernel runs it (the CPU's SDPA would run its math "

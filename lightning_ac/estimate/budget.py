@@ -118,7 +118,7 @@ class BudgetFigures:
         layers: Each decoder layer's figures.
         outside_bytes: What is saved outside the layers, and what the figures do not see (the calibration).
         head_bytes: The output head's working set.
-        fixed_bytes: Weights, buffers, gradients, optimizer state and the batch.
+        fixed_bytes: Weights, buffers, gradients, optimizer state, the batch and the libraries' workspaces.
         all_recompute_seconds: The recompute time of every layer recomputed.
     """
 
@@ -151,6 +151,7 @@ def measure(
     outside = controller.outside_bytes + controller.calibration
     fixed = step.parameter_bytes + step.buffer_bytes + step.gradient_bytes + step.optimizer_bytes
     fixed += batch * seq * 8  # the batch's token ids (int64)
+    fixed += step.workspace_bytes  # the libraries' workspaces: kept like the parameters
     everything = [Choice.recompute] * len(controller.figures)
     seconds = estimate(controller.figures, everything, outside, controller.head_bytes)[1]
     return step, BudgetFigures(list(controller.figures), outside, controller.head_bytes, fixed, seconds)

@@ -45,6 +45,7 @@ JSON_FIELDS = (
     "host_bytes",
     "flops",
     "device_total_bytes",
+    "workspace_bytes",
     "margin_bytes",
     "fits",
     "fits_on",

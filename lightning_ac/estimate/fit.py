@@ -1,12 +1,11 @@
 """Whether a step fits a device, with a stated margin, and the longest sequence each mode fits.
 
 The estimate counts the bytes the step's tensors hold (what ``torch.cuda.max_memory_allocated`` reports, with each
-allocation rounded to the allocator's 512-byte blocks). A device needs more than that: the CUDA context and the
-libraries' handles live outside the allocator; the libraries' workspaces are allocated once, on first use (cuBLAS's
-through the allocator, 32 MiB a stream on Hopper: 68 MB in the H200's first step of a tiny model), and kept; and the
-caching allocator reserves more than it allocates (fragmentation: blocks split and cached between steps). Until a
-GPU measures it, the margin is an assumption (:data:`MARGIN_NOTE`): :data:`CONTEXT_BYTES` plus
-:data:`FRAGMENTATION` of the allocated peak.
+allocation rounded to the allocator's 512-byte blocks), and, with a CUDA target, cuBLAS's workspaces, which its
+first matmuls allocate through the allocator and keep (:mod:`~lightning_ac.estimate.workspaces`). A device needs more
+than that: the CUDA context and the libraries' handles live outside the allocator, and the caching allocator reserves
+more than it allocates (fragmentation: blocks split and cached between steps). Until a GPU measures it, the margin is
+an assumption (:data:`MARGIN_NOTE`): :data:`CONTEXT_BYTES` plus :data:`FRAGMENTATION` of the allocated peak.
 """
 
 from __future__ import annotations
@@ -17,12 +16,13 @@ from lightning_ac.estimate.results import LongestFit, StepEstimate
 
 __all__ = ["CONTEXT_BYTES", "FRAGMENTATION", "MARGIN_NOTE", "fits", "longest_fit", "margin_bytes"]
 
-CONTEXT_BYTES = 1 * 2**30  # the CUDA context, the libraries' handles (outside the allocator) and workspaces
+CONTEXT_BYTES = 1 * 2**30  # the CUDA context and the libraries' handles: outside the allocator
 FRAGMENTATION = 0.05  # reserved beyond allocated, as a share of the allocated peak
 MARGIN_NOTE = (
-    f"fits: the device total plus an assumed margin of {CONTEXT_BYTES / 2**30:.0f} GiB (CUDA context, cuBLAS and "
-    f"cuDNN workspaces, outside the allocator) and {FRAGMENTATION:.0%} of the device total (the caching allocator "
-    "reserves more than it allocates); an assumption until a GPU measures reserved minus allocated"
+    f"fits: the device total plus an assumed margin of {CONTEXT_BYTES / 2**30:.0f} GiB (CUDA context and the "
+    f"libraries' handles, outside the allocator; cuBLAS's workspaces are in the device total) and {FRAGMENTATION:.0%} "
+    "of the device total (the caching allocator reserves more than it allocates); an assumption until a GPU measures "
+    "reserved minus allocated"
 )
 
 

@@ -40,7 +40,7 @@ class StepEstimate:
         host_bytes: The most host memory the step's offloading holds (activations offloaded, streamed weights
             between uses): a pool apart from the device's.
         device_total_bytes: The most device bytes held at any moment of the step: parameters, buffers, gradients,
-            optimizer state, activations and streamed weights, plus the batch.
+            optimizer state, activations and streamed weights, plus the batch and ``workspace_bytes``.
         one_memory_peak_bytes: The most activations, streamed weights' copies and host memory the step adds, held
             together: a CPU run's activation peak, where offloaded activations and loaded layers stay in the one memory
             there is (what measure_step reports on the CPU).
@@ -51,6 +51,9 @@ class StepEstimate:
             were given); ``None`` without one.
         fits_on: With device sizes: whether it fits each (in the order given).
         margin_bytes: The margin added for what the allocator and the CUDA context take beyond allocated bytes.
+        workspace_bytes: With a CUDA target, the libraries' workspaces the step's first matmuls allocate through the
+            allocator and keep (cuBLAS's: :mod:`~lightning_ac.estimate.workspaces`); in the device total, not in the
+            activations.
     """
 
     mode: str
@@ -75,6 +78,7 @@ class StepEstimate:
     fits: Optional[bool] = None
     fits_on: List[bool] = field(default_factory=list)
     margin_bytes: int = 0
+    workspace_bytes: int = 0
 
     @property
     def total_flops(self) -> int:

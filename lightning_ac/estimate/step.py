@@ -34,6 +34,7 @@ from lightning_ac.estimate.qlora import pack_four_bit
 from lightning_ac.estimate.ranks import Ranks, counted, distribute, fake_world
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.tracker import Kind, MemoryTracker, Phase
+from lightning_ac.estimate.workspaces import workspace_bytes
 from lightning_ac.fake import fake_mode, fake_session, patched
 
 __all__ = ["fake_step", "flop_registry"]
@@ -254,7 +255,7 @@ def fake_step(
         finally:
             measure.close()
     seconds = time.perf_counter() - started
-    return _result(mode.name, seq, batch, tracker, measure, ids, seconds)
+    return _result(mode.name, seq, batch, tracker, measure, ids, seconds, workspace_bytes(target))
 
 
 class _OneBatch:
@@ -271,7 +272,14 @@ class _OneBatch:
 
 
 def _result(
-    mode: str, seq: int, batch: int, tracker: MemoryTracker, measure: StepMeter, ids: torch.Tensor, seconds: float
+    mode: str,
+    seq: int,
+    batch: int,
+    tracker: MemoryTracker,
+    measure: StepMeter,
+    ids: torch.Tensor,
+    seconds: float,
+    workspaces: int,
 ) -> StepEstimate:
     start = measure.start_live
     head = measure.head_start or {"inputs": 0, "layers": [], "outside": 0}
@@ -291,7 +299,8 @@ def _result(
         outside_bytes=head["outside"],
         streamed_weight_bytes=tracker.weights_peak,
         host_bytes=tracker.host_peak,
-        device_total_bytes=tracker.device_peak + ids.numel() * ids.element_size(),
+        device_total_bytes=tracker.device_peak + ids.numel() * ids.element_size() + workspaces,
+        workspace_bytes=workspaces,
         one_memory_peak_bytes=tracker.one_memory_peak,
         flops={phase.value: tracker.flops[phase] for phase in (Phase.FORWARD, Phase.HEAD, Phase.BACKWARD,
                                                              Phase.RECOMPUTE, Phase.OPTIMIZER)},
