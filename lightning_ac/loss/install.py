@@ -31,6 +31,7 @@ from lightning_ac.loss.function import chunked_causal_lm_loss
 from lightning_ac.loss.source import LogitOp, SourceError, apply_logit_ops, head_name, logit_ops
 
 __all__ = [
+    "LOSS_ATTRIBUTES",
     "MAX_AUTO_CHUNK_LOGIT_BYTES",
     "MIN_AUTO_CHUNK_TOKENS",
     "ChunkedLoss",
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 _MISSING = object()
+# what the chunked loss sets on a model besides its head's forward (the plan's journal records it)
+LOSS_ATTRIBUTES = ("_loss_function",)
 
 
 # chunk_tokens: auto never takes fewer tokens a chunk: below it each chunk's matmuls are too small to run at speed.

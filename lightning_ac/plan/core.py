@@ -26,7 +26,7 @@ from lightning_ac.config import (
 from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import DecoderLayers, find_decoder_layers
 from lightning_ac.loss import ChunkedLoss
-from lightning_ac.loss.install import install_chunked_loss
+from lightning_ac.loss.install import LOSS_ATTRIBUTES, install_chunked_loss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES
 from lightning_ac.offload.weights import LayerWeightStreamer
@@ -46,6 +46,12 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["Plan"]
+
+
+# the module attributes a plan may set, recorded before it applies: put back at removal, left out of a copy
+JOURNALED_ATTRIBUTES = (
+    HF_ATTRIBUTES + TORCH_ATTRIBUTES + COMPILED_CALL_ATTRIBUTES + LOSS_ATTRIBUTES + (DDP_IGNORE, "training_step")
+)
 
 
 class Plan:
@@ -200,9 +206,7 @@ class Plan:
         assert self.module is not None and self.device is not None
         cfg = self.config
         self.layers = layers
-        self._journal = ModuleJournal(
-            self.module, HF_ATTRIBUTES + TORCH_ATTRIBUTES + COMPILED_CALL_ATTRIBUTES + (DDP_IGNORE, "training_step")
-        )
+        self._journal = ModuleJournal(self.module, JOURNALED_ATTRIBUTES)
         try:
             if self._offload_here:
                 assert self.activation_offload_request is not None
