@@ -119,6 +119,7 @@ def run_estimate(cfg: DictConfig, out_dir: Path) -> Dict[str, Any]:
             lora=int(cfg.lora.r) if lora else None,
             full_finetune=not lora,
             lora_targets=list(cfg.lora.target_modules) if lora else None,
+            lora_dropout=float(cfg.lora.dropout) if lora else 0.0,
             modes=_modes(cfg.estimate_modes),
             device_memory=None if device_memory is None else str(device_memory),
             overrides=overrides,

@@ -541,7 +541,13 @@ def test_bad_budgets_stop_before_training(tmp_path, override, words):
 
 def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(tmp_path):
     modes = "estimate_modes=[off,full,'full+chunked_loss']"
-    result = ok(train(tmp_path, "estimate=true", "model.config.vocab_size=4096", modes, "estimate_device_memory=2GiB"))
+    # lora.dropout: the job's LoRA dropout is the estimate's (each adapted linear keeps a dropped copy of its input)
+    result = ok(
+        train(
+            tmp_path, "estimate=true", "model.config.vocab_size=4096", modes, "estimate_device_memory=2GiB",
+            "lora.dropout=0.1",
+        )
+    )  # fmt: skip
     data = json.loads((tmp_path / "run" / "estimate.json").read_text())
     assert [s["mode"] for s in data["steps"]] == ["off", "full", "full+chunked_loss"]
     assert {(s["seq"], s["batch"]) for s in data["steps"]} == {(32, 2)}, "data.seq_len x data.batch_size"
@@ -553,24 +559,18 @@ def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(t
     # the job's model, as the estimator builds it from the same values
     from lightning_ac.estimate import estimate
 
-    direct = estimate(
-        "llama",
-        32,
-        batch=2,
-        dtype="float32",
-        lora=16,
-        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modes=["full"],
-        overrides={
-            **yaml_config("model/llama.yaml"),
-            "vocab_size": 4096,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-        },
-    )
-    full = next(s for s in data["steps"] if s["mode"] == "full")
+    overrides = {**yaml_config("model/llama.yaml"), "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2}  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    direct, without_dropout = (
+        estimate("llama", 32, batch=2, dtype="float32", lora=16, lora_targets=targets, modes=["off", "full"],
+                 overrides=overrides, lora_dropout=dropout)
+        for dropout in (0.1, 0.0)
+    )  # fmt: skip
+    full, off = (next(s for s in data["steps"] if s["mode"] == mode) for mode in ("full", "off"))
     assert full["activation_peak_bytes"] == direct.step("full", 32).activation_peak_bytes
+    assert off["activation_peak_bytes"] == direct.step("off", 32).activation_peak_bytes
+    assert off["activation_peak_bytes"] > without_dropout.step("off", 32).activation_peak_bytes  # the dropped copies
     assert full["parameter_bytes"] == direct.step("full", 32).parameter_bytes
 
 

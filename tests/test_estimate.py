@@ -146,6 +146,9 @@ CASES = [
     ("llama", {}, BF16_MIXED, FULL, "adamw", 32, ["off", "full"]),
     pytest.param("qwen3", {}, BF16_MIXED, LORA, "adamw", 32, ["selective_attn", "offload_hidden"], marks=SLOW),
     pytest.param("gemma3_text", {}, BF16_MIXED, LORA, "adamw_fused", 32, ["every_2", "full+chunked_loss"], marks=SLOW),
+    # LoRA's dropout: each adapted linear's dropped copy of its input and the CPU's full-size mask, as a CPU run keeps
+    # them (with recompute too: the recompute drops the same)
+    ("llama", {}, torch.float32, Training(4, tuple(ALL_LINEARS), lora_dropout=0.1), "sgd", 32, ["off", "full"]),
     # GPT-2: Conv1D projections (PEFT's default target c_attn), learned positions, a head tied to the embeddings
     ("gpt2", {}, torch.float32, Training(4, None), "adamw", 32, ["off", "full"]),
     # QLoRA: the decoder's linears bitsandbytes nf4, as from_pretrained loads them, against the same model loaded so
@@ -189,6 +192,7 @@ def _case_id(case) -> str:
         kind += ("" if training.qlora_prepared else "-as-loaded") + ("-double" if training.double_quant else "")
         kind += "" if training.quant_type == "nf4" else f"-{training.quant_type}"
         kind += f"-adapters-{training.adapter_dtype}" if training.adapter_dtype else ""
+    kind += f"-dropout-{training.lora_dropout}" if training.lora_dropout else ""
     loss = "" if training.loss == "causal_lm" else f"-{training.loss}"
     dtype = dtype.name if isinstance(dtype, Precision) else str(dtype)[6:]
     return f"{family}-{dtype}-{kind}{loss}-{optimizer}-{seq}"
@@ -910,3 +914,49 @@ def test_attention_dropout_is_counted_as_cudas_flash_kernel_runs_it():
     peak = {key: step.activation_peak_bytes for key, step in steps.items()}
     assert peak[0.1, "cuda"] == peak[0.0, "cuda"]
     assert peak[0.1, "cpu"] > peak[0.0, "cpu"] + 4 * 2 * 4 * 256 * 256 * 4 // 2, "the math kernel's seq x seq"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_on_a_cuda_target_a_dropout_keeps_a_one_byte_mask_as_cudas_kernel_does(inplace):
+    """CUDA's fused dropout keeps a bool mask for its backward; the CPU keeps a full-size mask of the input's dtype.
+    The fake step of a CUDA target runs the fused kernel; what keeps nothing, or drops in place, runs as it is."""
+    from lightning_ac.estimate.dropout import dropout_as_on_cuda
+
+    def saved(p: float, training: bool = True) -> list:
+        kept = []
+        x = torch.randn(4, 8, requires_grad=True) * 1  # not a leaf: an in-place dropout may write it
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, t.numel())) or t, lambda t: t):
+            out = torch.nn.functional.dropout(x, p, training, inplace)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        return kept
+
+    on_cpu = saved(0.1)
+    with dropout_as_on_cuda():
+        on_cuda, nothing, evaluation = saved(0.1), saved(0.0), saved(0.1, training=False)
+    assert torch.nn.functional.dropout.__name__ == "dropout", "the patch is undone"
+    assert on_cpu == [(torch.float32, 32)]
+    assert on_cuda == ([(torch.float32, 32)] if inplace else [(torch.bool, 32)])
+    assert nothing == evaluation == []
+
+
+def test_lora_dropout_is_counted_as_the_target_keeps_it_with_recompute_too():
+    """A CUDA target counts each mask at a byte an element, a CPU target at the input's dtype: LoRA's dropout costs
+    less on a CUDA target's estimate, and a recomputed layer drops as its forward did (the estimate runs). A
+    probability outside [0, 1) is refused naming the setting."""
+
+    config = tiny_config("llama")
+    extra = {}
+    for target in ("cpu", "cuda"):
+        for name in ("off", "full"):
+            mode = resolve_modes([name], False)[0]
+            peaks = [
+                fake_step(config, torch.float32, Training(4, ("q_proj", "v_proj"), lora_dropout=p), mode, 32, 2,
+                          "sgd", target=target).activation_peak_bytes
+                for p in (0.0, 0.1)
+            ]  # fmt: skip
+            extra[target, name] = peaks[1] - peaks[0]
+    for name in ("off", "full"):
+        assert 0 < extra["cuda", name] < extra["cpu", name], (name, extra)
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(EstimateError, match="--lora-dropout"):
+            Training(4, lora_dropout=bad)

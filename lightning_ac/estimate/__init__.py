@@ -76,6 +76,8 @@ NOTES = [
     "batches without padding; with an attention mask CUDA may pick another kernel, which saves other tensors; on a "
     "CUDA target an attention dropout is counted as CUDA's flash kernel runs it (the CPU's SDPA would run its math "
     "kernel, which keeps a seq x seq matrix per layer)",
+    "dropout (LoRA's, a model's hidden dropout): each keeps its mask as the target does, 1 byte an element on a CUDA "
+    "target (torch's fused kernel), a full-size one of the input's dtype on a CPU target",
     "the step is the one after a first: the step before's gradients exist until Lightning zeroes them after the "
     "forward; the optimizer's state exists; on a CUDA target adamw and sgd run their foreach implementation, as "
     "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
@@ -172,6 +174,7 @@ def estimate(
     strategy: Optional[str] = None,
     devices: Optional[int] = None,
     adapter_dtype: Optional[str] = None,
+    lora_dropout: float = 0.0,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -229,6 +232,9 @@ def estimate(
         adapter_dtype: LoRA's adapters in this dtype (``bfloat16``: all of the step computes in bf16, the adapters
             too); ``None``: as PEFT makes them (float32 on a 4-bit or half-precision base, each adapted linear then
             saving a float32 copy of its input).
+        lora_dropout: LoRA's dropout (PEFT's ``lora_dropout``): each adapted linear keeps a dropped copy of its input
+            and a mask, counted as ``target`` keeps it (CUDA a 1-byte mask per element, the CPU a full-size one:
+            :mod:`~lightning_ac.estimate.dropout`).
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -263,6 +269,7 @@ def estimate(
         double_quant=double_quant,
         quant_type=quant_type,
         adapter_dtype=adapter_dtype,
+        lora_dropout=0.0 if full_finetune else lora_dropout,
     )
     ranks = ranks_for(strategy, devices)
     if ranks.sharded and training.qlora:

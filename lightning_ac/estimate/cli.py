@@ -93,6 +93,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-targets", nargs="+", default=None, help="the modules LoRA adapts (default: PEFT's for the model type)"
     )
+    p.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="LoRA's dropout (default 0): a dropped copy of each adapted linear's input and its mask (1 byte an "
+        "element on a CUDA target, full-size on --target cpu)",
+    )
     qlora = p.add_mutually_exclusive_group()
     qlora.add_argument(
         "--qlora",
@@ -231,6 +239,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             lora=None if args.full_finetune else args.lora,
             full_finetune=args.full_finetune,
             lora_targets=args.lora_targets,
+            lora_dropout=args.lora_dropout,
             optimizer=args.optimizer,
             modes=args.modes,
             device_memory=args.device_memory,

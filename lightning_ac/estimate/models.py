@@ -195,6 +195,8 @@ class Training:
         adapter_dtype: LoRA's adapters in this dtype (``bfloat16``, ``float16``, ``float32``); ``None``: as PEFT
             makes them (float32 adapters on a 4-bit or fp16/bf16 base: each adapted linear then saves a float32 copy
             of its input).
+        lora_dropout: PEFT's ``lora_dropout``: each adapted linear drops its input apart and keeps the dropped copy
+            and a mask, counted as the target keeps it (:mod:`~lightning_ac.estimate.dropout`).
     """
 
     lora_rank: Optional[int] = 16
@@ -206,8 +208,15 @@ class Training:
     double_quant: bool = False
     quant_type: str = "nf4"
     adapter_dtype: Optional[str] = None
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.lora_dropout, bool)
+            or not isinstance(self.lora_dropout, (int, float))
+            or not (0.0 <= self.lora_dropout < 1.0)
+        ):
+            raise EstimateError(f"--lora-dropout {self.lora_dropout!r}: expected a probability in [0, 1), as PEFT's")
         if self.loss not in LOSSES:
             raise EstimateError(f"--loss {self.loss}: choose from {', '.join(LOSSES)}")
         if self.quant_type not in QUANT_TYPES:
@@ -241,6 +250,7 @@ class Training:
             shown = f" ({', '.join(targets)})" if targets else ""
             text = f"{self._qlora_text() if self.qlora else 'lora'} r={self.lora_rank}{shown}"
             text += f", adapters in {self.adapter_dtype}" if self.adapter_dtype else ""
+            text += f", dropout {self.lora_dropout:g}" if self.lora_dropout else ""
         text = text if self.loss == "causal_lm" else f"{text}, loss {self.loss}"
         return f"{text}, a first step (no gradients before it)" if self.first_step else text
 
@@ -291,7 +301,12 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
     targets: Any = lora_targets(config, training)
     if targets == ["all-linear"]:  # PEFT's own spelling, which it takes as a string only
         targets = "all-linear"
-    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, target_modules=targets)
+    lora = LoraConfig(
+        r=training.lora_rank,
+        lora_alpha=2 * training.lora_rank,
+        lora_dropout=training.lora_dropout,
+        target_modules=targets,
+    )
     try:
         with torch.device(device):
             return adapters_in(get_peft_model(model, lora), training.adapter_dtype)

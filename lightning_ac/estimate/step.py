@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
 from lightning_ac.estimate.attention import stand_in_registered
+from lightning_ac.estimate.dropout import attention_as_on_cuda, dropout_as_on_cuda
 from lightning_ac.estimate.flops import flop_registry
 from lightning_ac.estimate.meter import HostOfStreamer, StepMeter, engines_tagged
 from lightning_ac.estimate.models import EstimateError, Training, build_model, fake_op_error
@@ -156,26 +157,6 @@ def step_trainer(
         )
 
 
-# The config fields of an attention dropout (Llama's and Qwen's, GPT-2's, BERT-style models')
-ATTENTION_DROPOUTS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
-def attention_as_on_cuda(config: Any) -> Any:
-    """``config`` with its attention dropout at 0 for the fake step of a CUDA target. With dropout the CPU's SDPA runs
-    its math kernel, which keeps a seq x seq matrix per layer (GPT-2 XL at 4 x 1,024 tokens: 104.87 GiB against
-    46.88); CUDA's flash kernel takes dropout and saves what it saves without it (and the random generator's seed and
-    offset: bytes). Returns ``config`` itself when it has none."""
-    import copy
-
-    dropouts = [name for name in ATTENTION_DROPOUTS if (getattr(config, name, 0) or 0) > 0]
-    if not dropouts:
-        return config
-    config = copy.deepcopy(config)
-    for name in dropouts:
-        setattr(config, name, 0.0)
-    return config
-
-
 def fake_step(
     config: Any,
     dtype: Union[torch.dtype, Precision],
@@ -221,6 +202,8 @@ def fake_step(
         session.enter_context(stand_in_registered(config))
         mesh = session.enter_context(fake_world(ranks))  # one rank of N: lightning_ac.estimate.ranks
         session.enter_context(counted(ranks, tracker))
+        if target == "cuda":
+            session.enter_context(dropout_as_on_cuda())  # its masks as CUDA keeps them (lightning_ac.estimate.dropout)
         model = build_model(config, dtype, training)
         fake = fake_mode()
         with fake:
