@@ -23,6 +23,12 @@ The branches inside the tested ranges:
 - ``_CachedTorchDispatchMode`` (the recompute side of SAC's storage) takes ``allow_cache_entry_mutation``
   explicitly: the argument exists in every supported release, its default does not; and the policy, which releases
   before 2.13 call.
+- dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (added after torch 2.9.0): with it on, dynamo traces a
+  checkpoint inside a compiled graph whose forward has Python side effects (transformers >= 5.25's ``kernels``
+  wrapper around each attention's forward has one), applying them once, in the forward; without it, it breaks the
+  graph at the checkpoint. The plan turns it on for a run that recomputes inside compiled graphs
+  (:func:`lightning_ac.plan.recompute.trace_side_effects_in_checkpoints`); :data:`DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS`
+  says whether this torch has it.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ import inspect
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch._dynamo.config
 from packaging.version import Version
 
 __all__ = [
+    "CHECKPOINT_SIDE_EFFECTS_SETTING",
     "CHECKPOINT_TAKES_RESPECT_HOOKS",
+    "DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS",
     "SAC_STORAGE_INDEXED",
     "SAC_POLICY_SEES_OUTPUT",
     "SELF_CHECKED",
@@ -51,7 +60,7 @@ __all__ = [
 # package -> (lowest release tested, newest release tested): the ends of what the default test run passed with.
 TESTED: Dict[str, Tuple[str, str]] = {
     "torch": ("2.9.1", "2.15.0"),
-    "transformers": ("5.23.0", "5.24.0"),
+    "transformers": ("5.23.0", "5.25.0"),
     "peft": ("0.18.0", "0.21.2"),
     "lightning": ("2.6.0", "2.6.6"),
 }
@@ -70,6 +79,11 @@ SAC_STORAGE_INDEXED = hasattr(torch.utils.checkpoint, "_sac_storage_key")
 # torch >= 2.13: SAC asks the policy about an op after running it, and hands it the output (what the policy saves is
 # known there, without a dispatch mode of ours); before: the policy is asked first, without the output
 SAC_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(torch.utils.checkpoint.SelectiveCheckpointContext).parameters
+
+# torch after 2.9.0: dynamo's setting that traces a checkpoint whose forward has Python side effects, applying them
+# once, in the forward; before, dynamo breaks the graph at such a checkpoint
+CHECKPOINT_SIDE_EFFECTS_SETTING = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS = hasattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING)
 
 
 def installed_release(package: str) -> Optional[str]:

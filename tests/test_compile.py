@@ -27,6 +27,8 @@ from lightning_ac import (
     register_mandatory_save,
     register_preferred_save,
 )
+from lightning_ac._compat import CHECKPOINT_SIDE_EFFECTS_SETTING, DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS
+from lightning_ac.plan.recompute import trace_side_effects_in_checkpoints
 
 MM, SDPA = "aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -303,6 +305,54 @@ def test_the_model_is_left_as_found(base, where):
     fingerprint = model_fingerprint(module)
     make_trainer([ActivationCheckpointing(selective={"save": ["aten::mm"]})], max_steps=1).fit(module, batches())
     assert model_fingerprint(module) == fingerprint
+
+
+class _Active:
+    """A module-level variable, as the ``kernels`` package keeps the kernels in force for each attention's call."""
+
+    funcs = None
+
+
+_ACTIVE = _Active()
+needs_side_effects_setting = pytest.mark.skipif(
+    not DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS,
+    reason=f"this torch has no {CHECKPOINT_SIDE_EFFECTS_SETTING}: a side effect inside a checkpoint breaks the graph",
+)
+
+
+@needs_side_effects_setting
+@pytest.mark.parametrize("where", ["layer", "model"])
+def test_a_forward_with_side_effects_is_recomputed_inside_the_graphs(base, plain, where, monkeypatch):
+    # transformers >= 5.25 installs the kernels package, whose wrapper around each attention's forward sets a
+    # module-level variable and puts it back: dynamo broke the graph at every checkpoint there (a side effect inside
+    # its higher-order op), and the decoder layers ran eagerly, uncompiled (no backward graph held a matmul)
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    forward = LlamaAttention.forward
+
+    def with_kernels_in_force(self, *args, **kwargs):
+        previous, _ACTIVE.funcs = _ACTIVE.funcs, {"rotary": self}
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ACTIVE.funcs = previous
+
+    reference, _ = plain[where]
+    monkeypatch.setattr(LlamaAttention, "forward", with_kernels_in_force)
+    run, graphs = train(base, where, [ActivationCheckpointing()])
+    assert set(graphs.ops("backward", MM)) == {FULL_MM[where]}, "the layers ran compiled"
+    assert run.losses == reference.losses
+    assert_same_grads(reference, run, where)
+    assert getattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING) is False, "the setting is put back"
+
+
+@needs_side_effects_setting
+def test_a_side_effects_setting_the_user_turned_on_stays_on():
+    # the config's own patch: monkeypatch's undo would delete the setting, which hides it from getattr afterwards
+    with torch._dynamo.config.patch(CHECKPOINT_SIDE_EFFECTS_SETTING, True):
+        assert trace_side_effects_in_checkpoints() is None
+        assert getattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING) is True
+    assert getattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING) is False
 
 
 @pytest.mark.parametrize("where", ["layer", "model"])

@@ -3,15 +3,17 @@ the anchors (what a user would use instead, applied without our code); which of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_ac._compat import CHECKPOINT_SIDE_EFFECTS_SETTING, DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS
 from lightning_ac.callbacks import ActivationCheckpointing, LayerOffload
 from lightning_ac.loss.function import shift_labels
 
@@ -123,14 +125,26 @@ def compile_layers(model: nn.Module) -> None:
             layers[i] = torch.compile(layer, backend=COMPILE_BACKEND)
 
 
-def cold_compiles() -> Any:
+@contextlib.contextmanager
+def cold_compiles() -> Iterator[None]:
     """Compile from scratch, as a first run does: dynamo's graphs dropped, and inductor's caches (its kernels, its
     graphs and AOT autograd's, on disk and in memory) in a fresh directory. With them kept, a later mode or
-    repetition would find the kernels an earlier one built and report almost no compile time."""
+    repetition would find the kernels an earlier one built and report almost no compile time.
+
+    Dynamo traces side effects inside checkpoints meanwhile, as the suite has it do for its compiled rows
+    (:func:`lightning_ac.plan.recompute.trace_side_effects_in_checkpoints`): without it, torchtitan's order ran each
+    layer eagerly, uncompiled, on transformers >= 5.25 (the ``kernels`` wrapper around each attention's forward),
+    and its row would compare an eager run with compiled ones."""
     from torch._inductor.utils import fresh_cache
 
     torch._dynamo.reset()
-    return fresh_cache()
+    traced = (
+        torch._dynamo.config.patch(CHECKPOINT_SIDE_EFFECTS_SETTING, True)
+        if DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS
+        else contextlib.nullcontext()
+    )
+    with fresh_cache(), traced:
+        yield
 
 
 def warm_up_compiler(device: torch.device) -> None:

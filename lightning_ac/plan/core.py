@@ -336,6 +336,7 @@ class Plan:
         self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
         streamer, budget, chunked_loss, tiled = self.weight_streamer, self.budget, self.chunked_loss, self.tiled_mlp
+        restore_dynamo_config = self.recompute.restore_dynamo_config if self.recompute is not None else None
         self.activation_offload = self._journal = self.weight_streamer = self.recompute = None
         self.chunked_loss = self.tiled_mlp = None
         train_mode, self.train_mode = self.train_mode, None
@@ -350,6 +351,7 @@ class Plan:
             offload.close if offload is not None else None,
             selective.remove if selective is not None else None,
             journal.restore if journal is not None else None,
+            restore_dynamo_config,
         ]
         _run_all([step for step in steps if step is not None])
 

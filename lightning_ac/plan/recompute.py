@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import torch
+import torch._dynamo.config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ac._compat import CHECKPOINT_SIDE_EFFECTS_SETTING, DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS
 from lightning_ac.budget import BudgetController, BudgetSettings, Choice
 from lightning_ac.budget.first_plan import check_first_plan
 from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
@@ -23,7 +25,14 @@ from lightning_ac.selective.apply import build_policy
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
 
-__all__ = ["Recompute", "cache_off_for_the_run", "check_compiled", "describe_recompute", "install_recompute"]
+__all__ = [
+    "Recompute",
+    "cache_off_for_the_run",
+    "check_compiled",
+    "describe_recompute",
+    "install_recompute",
+    "trace_side_effects_in_checkpoints",
+]
 
 
 @dataclass
@@ -37,6 +46,8 @@ class Recompute:
         budget: The memory budget's controller, if the block sets ``budget``.
         compiled_note: What compiling changes, for the applied line.
         inputs_around_compiled: Compiled layers whose inputs offload.hidden_states moves around the call.
+        restore_dynamo_config: Puts back the dynamo setting changed for the run, if one was
+            (:func:`trace_side_effects_in_checkpoints`).
     """
 
     engine: str = ""
@@ -45,6 +56,7 @@ class Recompute:
     budget: Optional[BudgetController] = None
     compiled_note: str = ""
     inputs_around_compiled: int = 0
+    restore_dynamo_config: Optional[Callable[[], None]] = None
 
 
 def install_recompute(
@@ -141,6 +153,7 @@ def install_recompute(
         done.selective.set_checkpointed(done.recomputed)
     if found.above or compiled:
         done.compiled_note = "recomputed inside the graphs, where the partitioner keeps attention's outputs"
+        done.restore_dynamo_config = trace_side_effects_in_checkpoints()
     elif found.layers:  # the checkpoint wraps each compiled call from outside
         done.compiled_note = "each checkpoint wraps a compiled layer, whose compiled forward the recompute runs again"
     if hidden_states is not None:
@@ -148,6 +161,26 @@ def install_recompute(
             if done.recomputed[index]:
                 offload_inputs_of_compiled_layer(modules[index], call, hidden_states)
                 done.inputs_around_compiled += 1
+
+
+def trace_side_effects_in_checkpoints() -> Optional[Callable[[], None]]:
+    """Let dynamo trace checkpointed regions whose forward has Python side effects, for the run: each checkpoint
+    inside a compiled graph is a higher-order op, and dynamo refuses a side effect inside one (eager checkpointing
+    would replay it in the recompute, which a compiled graph cannot), breaking the graph at the checkpoint, so that
+    the decoder layers run eagerly, uncompiled. transformers >= 5.25 installs the ``kernels`` package, whose wrapper
+    around each attention's forward (``use_kernelized_func``) sets and then resets a module-level variable in every
+    call: every checkpointed layer broke its graph there. That side effect undoes itself within the forward, so not
+    replaying it in the recompute changes nothing (torchtitan's SimpleFSDP path turns the same setting on where it
+    compiles checkpointed blocks). A setting the user already turned on stays on.
+
+    Returns:
+        A function that puts the setting back, or ``None`` when nothing changed (already on, or a torch without the
+        setting, where such a layer still runs eagerly).
+    """
+    if not DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS or getattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING):
+        return None
+    setattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING, True)
+    return lambda: setattr(torch._dynamo.config, CHECKPOINT_SIDE_EFFECTS_SETTING, False)
 
 
 def check_compiled(
