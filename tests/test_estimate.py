@@ -409,6 +409,7 @@ def _caller_state():
 
     import lightning_ac.offload.device as device
     import lightning_ac.offload.engine as engine
+    import lightning_ac.offload.host_pool as host_pool
     import lightning_ac.offload.weights.residency as weights
 
     return {
@@ -421,7 +422,7 @@ def _caller_state():
         "fake cache": set(FakeTensorMode.cache),
         "dispatch modes": len(_get_current_dispatch_mode_stack()),
         "stand-ins": list(device._plain_standins),
-        "host limits": (engine.host_limit, weights.host_limit),
+        "host limits": (host_pool.host_limit, weights.host_limit),
         "engines": (engine.TransferEngine.__dict__["_host_buffer"], weights.LayerResidency.__dict__["_load"]),
         "loggers": [logging.getLogger(n).level for n in ("lightning.pytorch", "lightning_ac", "transformers")],
         "warning filters": list(warnings.filters),

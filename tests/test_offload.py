@@ -24,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_ac import ActivationCheckpointing, ActivationOffload, ConfigError, LightningACWarning
 from lightning_ac.offload import HostMemoryError, TransferEngine
 from lightning_ac.offload.activations import SavedTensorOffloader
+from lightning_ac.offload.copies import InFlight
 
 HIDDEN = 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # fp32
@@ -373,13 +374,17 @@ def test_engine_skip_ends_when_the_parameter_storage_is_freed(engine):
     assert stale.expired() and not engine.should_skip(activation)
 
 
-def test_engine_host_memory_error_before_oom(engine):
+def test_engine_host_memory_error_before_oom(engine, monkeypatch):
+    # as if the host had 1500 bytes left before the step: MemAvailable falls by what the engine holds (on the simulated
+    # device, a pinned arena of 1 KiB: the copy's 800 bytes in 512-byte slices)
+    monkeypatch.setattr("lightning_ac.offload.host_pool.host_limit", lambda reserve: 1500 - engine.host.held_bytes)
     engine.start_step()
-    engine._host_limit = 1000  # as if the host had 1000 bytes left
-    engine.pack(torch.ones(200), "all")
+    held = engine.pack(torch.ones(200), "all")  # noqa: F841 - held as autograd holds it
     # small sizes in units that show them (they read "0.0 GiB ... 0.0 GiB" before)
-    with pytest.raises(HostMemoryError, match=r"needs 1.56 KiB of host memory, but only 1000 B is available"):
+    pattern = r"needs (800 B|1.00 KiB) more host memory, but only (700|476) B is available"
+    with pytest.raises(HostMemoryError, match=pattern) as raised:
         engine.pack(torch.ones(200), "all")
+    assert "This step has moved 1.56 KiB in 2 tensors so far, and offloading holds" in str(raised.value)
 
 
 @pytest.mark.parametrize(
@@ -392,14 +397,21 @@ def test_engine_host_memory_error_before_oom(engine):
         ),
         ({}, {"hidden_states": "cpu"}, "(offload.hidden_states off)"),
         ({"selective": True}, {"all": "cpu", "selective": "cpu"}, "(offload.hidden_states instead of offload.all; or "),
+        # without checkpointing, offload.hidden_states alone would be refused: the advice says to turn it on
+        (
+            None,
+            {"all": "cpu", "min_offload_bytes": 0},
+            "(activation checkpointing on, with offload.hidden_states instead of offload.all",
+        ),
     ],
 )
 def test_host_memory_error_names_the_targets_in_force(llama, checkpointing, offload, fix):
     # It said "offload.hidden_states instead of offload.all" whichever targets were on.
     # a reserve larger than any host leaves no room: the first offloaded tensor raises
     offloading = ActivationOffload(copy_on_host=True, host_reserve_bytes=2**60, **offload)
+    checkpoints = [] if checkpointing is None else [ActivationCheckpointing(**checkpointing)]
     with pytest.raises(HostMemoryError, match="of host memory") as raised:
-        fit(llama, [ActivationCheckpointing(**checkpointing), offloading])
+        fit(llama, [*checkpoints, offloading])
     message = str(raised.value)
     assert fix in message, message
     assert ("offload.all" in message) == ("all" in offload), message
@@ -408,7 +420,7 @@ def test_host_memory_error_names_the_targets_in_force(llama, checkpointing, offl
 def test_engine_detects_an_edit_racing_the_copy():
     engine = TransferEngine(torch.device("cpu"), copy_on_host=True)
 
-    class InFlight:
+    class Pending:
         def query(self):
             return False
 
@@ -418,10 +430,12 @@ def test_engine_detects_an_edit_racing_the_copy():
     engine.start_step()
     saved = torch.ones(4)
     packed = engine.pack(saved, "all")
-    engine._stash_push((InFlight(), saved, saved, saved._version, packed.copy, None))
+    engine._stash_push(InFlight(Pending(), saved, saved, saved._version, packed.copy, None))
     saved.mul_(2)  # the compute stream edits it while the (pretend) copy still reads it
     engine.finish_step()
     with pytest.raises(RuntimeError, match="edited in place while it was being copied"):
+        engine.unpack(packed, check_version=False)  # selective checkpointing's storage: SAC checks the version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         engine.unpack(packed)
 
 

@@ -82,10 +82,11 @@ NOTES = [
     "forward; the optimizer's state exists; on a CUDA target adamw and sgd run their foreach implementation, as "
     "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
     "them",
-    "offloading: host is host memory the offload engines hold (a pool apart from the device's); the copies run "
-    "as on a CPU trainer (copy_on_host), without the accelerator's pinned pool of 1 MiB size classes; the device "
-    "holds what waits for its copy to the host as the slowest bus would leave it: the engine's bound, two of the "
-    "largest tensors offloaded, until backward reloads them",
+    "offloading: host is host memory the offload engines hold (a pool apart from the device's), each copy at its "
+    "own size as on a CPU trainer (copy_on_host): an accelerator's pinned arenas hold up to about a quarter more; "
+    "the device holds what waits for its copy to the host as the slowest bus would leave it (the engine's bound, two "
+    "of the largest tensors offloaded) and, in backward, the reloaded copies a node uses and at most one loaded "
+    "ahead",
 ]
 
 

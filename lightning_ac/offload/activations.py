@@ -12,7 +12,6 @@ and :class:`ActivationOffloadRuntime`, which installs them on a model and drives
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -23,7 +22,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_ac._compat import SAC_STORAGE_INDEXED, cached_dispatch_mode
 from lightning_ac._reenterable import Reenterable
 from lightning_ac.config import OFFLOAD_TARGETS, ActivationOffloadRequest
+from lightning_ac.offload.device import stands_for_plain
 from lightning_ac.offload.engine import Packed, TransferEngine
+from lightning_ac.offload.saved_version import Kept
 
 __all__ = [
     "ActivationOffloadRuntime",
@@ -50,15 +51,17 @@ class SavedTensorOffloader:
 
     def _pack(self, tensor: torch.Tensor, only_storages: Optional[Set[int]] = None) -> Any:
         if self.paused or self.engine.should_skip(tensor, self.min_bytes):
-            return tensor
+            return _keep(tensor)
         if only_storages is not None and tensor.untyped_storage().data_ptr() not in only_storages:
-            return tensor
+            return _keep(tensor)
         if torch._C._current_graph_task_id() != -1:
-            return tensor  # saved during backward (a reentrant recompute): used at once, not worth moving
+            return _keep(tensor)  # saved during backward (a reentrant recompute): used at once, not worth moving
         return self.engine.pack(tensor, self.target)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return self.engine.unpack(packed) if isinstance(packed, Packed) else packed
+        if isinstance(packed, Packed):
+            return self.engine.unpack(packed)
+        return packed.unpack() if isinstance(packed, Kept) else packed
 
     def hooks(self, only_storages: Optional[Set[int]] = None) -> torch.autograd.graph.saved_tensors_hooks:
         """A fresh saved-tensor hook context.
@@ -108,6 +111,13 @@ class SavedTensorOffloader:
         return module.register_forward_pre_hook(resume)
 
 
+def _keep(tensor: Any) -> Any:
+    """A save that stays on the device, with its version for autograd's in-place check (which a hook turns off).
+    torch.compile's tensors (fake, functional) are its own to check, and pass as they are."""
+    plain = type(tensor) is torch.Tensor or isinstance(tensor, nn.Parameter) or stands_for_plain(tensor)
+    return Kept(tensor) if plain else tensor
+
+
 def offloading_checkpoint(checkpoint_fn: Callable[..., Any], offloader: SavedTensorOffloader) -> Callable[..., Any]:
     """Wrap a checkpoint function so that what it saves outside its region (the layer's inputs) moves."""
 
@@ -148,8 +158,10 @@ class _HostEntries:
         def reload(wrapper: Any) -> Any:
             value = getattr(wrapper, "val", None)
             if isinstance(value, Packed):
-                wrapper.val = self.engine.unpack(value)
-                wrapper.version = wrapper.val._version
+                wrapper.val = self.engine.unpack(value, check_version=False)
+                # SAC's own check on the forward's tensor, which it compares with the version saved: an edit since
+                # the save shows as it would without offloading
+                wrapper.version = wrapper.val._version - value.saved.edits()
             return wrapper
 
         return tree_map(reload, entry, is_leaf=_is_wrapper)
@@ -227,38 +239,19 @@ class _HostStorage(dict):
         slots = self[key] = (_HostSlots if SAC_STORAGE_INDEXED else _HostQueue)(self.engine)
         return slots
 
-    def prefetch(self) -> None:
-        for slots in self.values():
-            for packed in slots.packed():
-                self.engine.start_reload(packed)
-
 
 def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., Any]], Tuple[Any, Any]]:
     """A ``storage_factory`` for :class:`~lightning_ac.selective.policy.SelectivePolicy` whose saved tensors
-    live on the host, prefetched one checkpointed region ahead in backward."""
+    live on the host: each comes back as the recompute reaches it, the next one ahead of it (the engine's prefetch)."""
     from torch.utils.checkpoint import _CachingTorchDispatchMode
 
-    regions: List[_HostStorage] = []
-
-    @contextlib.contextmanager
-    def recompute(mode: Any, storage: _HostStorage) -> Iterator[None]:
-        # Backward runs regions in reverse: bring this one back, and start on the one before it.
-        index = next((i for i, s in enumerate(regions) if s is storage), None)
-        storage.prefetch()
-        if index:
-            regions[index - 1].prefetch()
-        with mode:
-            yield
-        if index is not None and regions[index] is storage:
-            regions[index] = _HostStorage(engine)  # consumed: drop references to its host buffers
-
     def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:
+        # The storage lives as long as the checkpoint that uses it (its graph): nothing else refers to it, so the host
+        # copies of a region are given back with its graph, in a pass outside the training step too.
         storage = _HostStorage(engine)
-        regions.append(storage)  # cleared at each step start
         cached = cached_dispatch_mode(policy_fn, storage)
-        return _CachingTorchDispatchMode(policy_fn, storage), Reenterable(lambda: recompute(cached, storage))
+        return _CachingTorchDispatchMode(policy_fn, storage), Reenterable(lambda: cached)
 
-    factory.reset = regions.clear  # type: ignore[attr-defined]
     return factory
 
 
@@ -270,9 +263,14 @@ _OFFLOAD_LESS = {
 }
 
 
-def offload_less(targets: Sequence[str]) -> str:
-    """The fix a :class:`~lightning_ac.offload.HostMemoryError` suggests, for the targets in force."""
+def offload_less(targets: Sequence[str], recompute: bool = True) -> str:
+    """The fix a :class:`~lightning_ac.offload.HostMemoryError` suggests, for the targets in force (``recompute``:
+    whether the run checkpoints its layers; offload.hidden_states needs it)."""
     ways = [_OFFLOAD_LESS[target] for target in ("all", "selective", "hidden_states") if target in targets]
+    if not recompute and "all" in targets:
+        ways[0] = (
+            "activation checkpointing on, with offload.hidden_states instead of offload.all (only layer inputs move)"
+        )
     return f"Offload less ({'; or '.join(ways)}), lower the batch size or sequence length, or add host memory."
 
 
@@ -309,14 +307,19 @@ class ActivationOffloadRuntime:
         self._handles: List[Any] = []
         self._module: Optional[nn.Module] = None
 
-    def install(self, module: nn.Module, output_heads: Sequence[Tuple[nn.Module, nn.Module]] = ()) -> None:
+    def install(
+        self, module: nn.Module, output_heads: Sequence[Tuple[nn.Module, nn.Module]] = (), recompute: bool = True
+    ) -> None:
         """Act on ``module``: its parameters and buffers never move, nor does what is saved from the call of an
         output head on (the logits and the loss over them: :meth:`SavedTensorOffloader.pause_from`).
 
         Args:
             module: The module trained.
             output_heads: ``(model, head)``: each transformers model and its output head.
+            recompute: Whether the run checkpoints its layers (what a :class:`~lightning_ac.offload.HostMemoryError`
+                advises depends on it: ``offload.hidden_states`` needs recompute).
         """
+        self.engine.host_memory_fix = offload_less(self.targets, recompute)
         self._module = module
         self._refresh_skips()
         if self.all is not None:
@@ -366,8 +369,6 @@ class ActivationOffloadRuntime:
         """Enter a training step: ``all``'s hooks are in force until :meth:`finish_step`."""
         self._refresh_skips()
         self.engine.start_step()
-        if self.sac_storage is not None:
-            self.sac_storage.reset()  # type: ignore[attr-defined]
         if self.all is not None:
             self.all.push()
         self.in_step = True

@@ -188,6 +188,13 @@ class AsyncDevice:
         """``nbytes`` of page-locked host memory."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def pinned_nbytes(self, nbytes: int) -> int:
+        """The host memory :meth:`pinned_empty` of ``nbytes`` really holds."""
+        return nbytes
+
+    def release_pinned(self) -> None:
+        """Give freed pinned memory back to the system (where an allocator keeps it cached)."""
+
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """A page-locked copy of ``tensor`` (torch's pinned allocator)."""
         return tensor.pin_memory()
@@ -233,6 +240,16 @@ class AcceleratorDevice(AsyncDevice):
         if synchronous:
             self.module.synchronize(self.device)
         return out
+
+    def pinned_nbytes(self, nbytes: int) -> int:
+        # torch's pinned allocator (CachingHostAllocator) rounds each block up to a power of two
+        return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+    def release_pinned(self) -> None:
+        # freed pinned blocks stay in torch's pinned allocator's cache until emptied
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_cache is not None:
+            empty_cache()
 
     def pin_in_place(self, buffer: torch.Tensor) -> torch.Tensor:
         # CUDA page-locks the memory where it is (cudaHostRegister): torch's pinned allocator rounds each block up

@@ -211,7 +211,7 @@ class Plan:
             if self._offload_here:
                 assert self.activation_offload_request is not None
                 self.activation_offload = ActivationOffloadRuntime(self.activation_offload_request, self.device)
-                self.activation_offload.install(self.module, output_heads=layers.models_and_heads())
+                self.activation_offload.install(self.module, layers.models_and_heads(), cfg.enabled)
             if self.layer_offload_request is not None:
                 self.weight_streamer = weight_streamer_for(self.module, layers, self.device, self.layer_offload_request)
                 self.weight_streamer.install()

@@ -4,7 +4,7 @@ device (a copy engine's host should wait only where the compute stream needs wha
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,15 +24,25 @@ class HostCounters:
             device's own ``synchronize``, a test's, not counted).
     """
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory allocated (``pinned_empty``) and not yet freed, in bytes."""
+        return sum(nbytes for ref, nbytes in self._allocated.values() if not ref.expired())
+
     def __init__(self) -> None:
         self.pinned_allocations = 0
         self.pageable_copies = 0
         self.host_waits = 0
         self._pinned: Dict[int, StorageWeakRef] = {}  # pinned host memory, by storage
+        self._allocated: Dict[int, Tuple[StorageWeakRef, int]] = {}  # ... of it, what pinned_empty allocated
 
     def pinned(self, buffer: torch.Tensor, allocated: bool = False) -> torch.Tensor:
         """Record ``buffer``'s memory as pinned (``allocated``: by a new pinned allocation)."""
         self.pinned_allocations += allocated
+        if allocated:
+            storage = buffer.untyped_storage()
+            self._allocated = {k: v for k, v in self._allocated.items() if not v[0].expired()}
+            self._allocated[storage_key(buffer)] = (StorageWeakRef(storage), storage.nbytes())
         self._pinned[storage_key(buffer)] = StorageWeakRef(buffer.untyped_storage())
         return buffer
 

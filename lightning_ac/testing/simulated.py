@@ -54,7 +54,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac.offload.device import AsyncDevice, stand_in_for_cpu, transfers_are_synchronous
 from lightning_ac.testing.host import HostCounters
-from lightning_ac.testing.streams import Allocation, PendingCopy, SimStream, poison, storage_key, use_count
+from lightning_ac.testing.streams import (
+    Allocation,
+    PendingCopy,
+    SimStream,
+    poison,
+    storage_key,
+    unordered_conflicts,
+    use_count,
+)
 
 __all__ = ["SimulatedDevice", "SimulatedDeviceError"]
 
@@ -303,20 +311,15 @@ class SimulatedDevice(AsyncDevice):
     def _check_order(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor, role: str) -> None:
         """A copy on ``stream`` must come after every pending copy on another stream that writes what it touches
         or reads what it writes."""
-        dst_key, src_key = storage_key(dst), storage_key(src)
-        for other in self.streams:
-            if other is stream:
-                continue
-            for pending in other.pending_copies():
-                if pending.seq <= stream.after.get(other, 0):
-                    continue
-                writes = storage_key(pending.dst)
-                conflict = writes in (dst_key, src_key) or storage_key(pending.src) == dst_key
-                if conflict:
-                    self._fail(
-                        f"{role}: issued on {stream.name} while a copy on {other.name} ({pending.role}) still uses the "
-                        "same memory, without waiting for it (wait_event/wait_stream)"
-                    )
+        for other, pending in unordered_conflicts(self.streams, stream, dst, src):
+            self._fail(
+                f"{role}: issued on {stream.name} while a copy on {other.name} ({pending.role}) still uses the same "
+                "memory, without waiting for it (wait_event/wait_stream)"
+            )
+
+    def live_bytes(self, kind: str) -> int:
+        """Device bytes of ``kind`` (a role up to ``:``) the transfer code still refers to now."""
+        return sum(a.nbytes for a in self._allocations if a.kind == kind and not a.storage.expired())
 
     def poll(self) -> None:
         """Find memory the transfer code gave up: under a pending copy (an error), or device memory to count

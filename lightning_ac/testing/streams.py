@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -53,6 +53,37 @@ class Simulator(Protocol):
 def storage_key(tensor: torch.Tensor) -> int:
     """The address of ``tensor``'s memory: tensors on the same memory share it."""
     return tensor.untyped_storage().data_ptr()
+
+
+def byte_range(tensor: torch.Tensor) -> Tuple[int, int, int]:
+    """``(storage_key, first byte, end)``: the bytes of its memory a contiguous tensor covers (slices of one host arena
+    share a storage and touch different bytes)."""
+    start = tensor.storage_offset() * tensor.element_size()
+    return storage_key(tensor), start, start + tensor.numel() * tensor.element_size()
+
+
+def overlap(a: Tuple[int, int, int], b: Tuple[int, int, int]) -> bool:
+    """Whether two :func:`byte_range` results share a byte."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def unordered_conflicts(
+    streams: List[SimStream], stream: SimStream, dst: torch.Tensor, src: torch.Tensor
+) -> List[Tuple[SimStream, PendingCopy]]:
+    """The pending copies on other streams that a copy ``src -> dst`` on ``stream`` is not ordered after, though they
+    write what it touches or read what it writes (by byte ranges: slices of one host arena are apart)."""
+    dst_range, src_range = byte_range(dst), byte_range(src)
+    found = []
+    for other in streams:
+        if other is stream:
+            continue
+        for pending in other.pending_copies():
+            if pending.seq <= stream.after.get(other, 0):
+                continue
+            writes = byte_range(pending.dst)
+            if overlap(writes, dst_range) or overlap(writes, src_range) or overlap(byte_range(pending.src), dst_range):
+                found.append((other, pending))
+    return found
 
 
 def use_count(tensor: torch.Tensor) -> int:
