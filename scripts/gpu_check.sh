@@ -159,14 +159,16 @@ run_step setup "$T_SETUP" setup.log bash -c setup
 start_background estimates "$T_ESTIMATES" estimate.log python3 -m lightning_ac.estimate --model llama3-8b "${SET[@]}" \
   "${LORA[@]}" --seq "$SEQ" --modes "${LONGCTX_MODES[@]}" --no-longest --target cuda --json "$R/estimate.json"
 
-# 3. the gpu-marked tests (4 workers where pytest-xdist is installed); the dry run collects them
+# 3. the gpu-marked tests, the offload oracle on real streams among them (4 workers where pytest-xdist is installed);
+# the dry run collects them
+GPU_TESTS=(tests/test_gpu.py tests/test_offload_residency.py)
 if (( DRY )); then
-  run_step gpu_tests "$T_TESTS" gpu_tests.log python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
+  run_step gpu_tests "$T_TESTS" gpu_tests.log python3 -m pytest -m gpu "${GPU_TESTS[@]}" -q -p no:cacheprovider \
     --collect-only
 else
   XDIST=()
   python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-  run_step gpu_tests "$T_TESTS" gpu_tests.log python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
+  run_step gpu_tests "$T_TESTS" gpu_tests.log python3 -m pytest -m gpu "${GPU_TESTS[@]}" -q -p no:cacheprovider \
     -rA --durations=20 "${XDIST[@]}"
 fi
 join_background

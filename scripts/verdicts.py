@@ -12,7 +12,8 @@ pass or fail, as a Markdown table; a goal whose figure is missing says "not meas
 - ``bench_compiled/results.json``, ``bench_compiled.log``: the compiled rows, the same way.
 - ``longctx.log``: ``LONGCTX {...}`` lines of ``scripts/longctx.py`` (the 8B cases).
 - ``estimate.json``: ``python -m lightning_ac.estimate --json`` for the same cases.
-- ``gpu_tests.log``: pytest's output for ``-m gpu tests/test_gpu.py`` (its last summary line is counted).
+- ``gpu_tests.log``: pytest's output for ``-m gpu tests/test_gpu.py tests/test_offload_residency.py`` (its last
+  summary line is counted).
 """
 
 from __future__ import annotations

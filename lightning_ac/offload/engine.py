@@ -165,6 +165,8 @@ class TransferEngine:
         # Let go of the step's saves: copies loaded ahead and never asked for (their reloads have finished, synchronized
         # above); the figures (stats, the stash's bound and peak) stay readable until the next step starts.
         step = self._step
+        for copy in step.order.ahead:
+            copy.device_data = None  # loaded ahead and never asked for: its graph was dropped, or is kept for later
         step.order, step.copies = Lookahead(), {}
         self._in_step = False
 

@@ -6,8 +6,10 @@ Note [What the host holds, until when]
       starts at a multiple of :data:`ALIGN`). A slice is the copy's until the copy is garbage-collected (autograd
       dropped every save that uses it); an arena whose slices are all back starts again from its beginning. A request
       takes the first arena with room, so a step of the same shapes as the last one lands in the same slices and
-      allocates nothing; a longer step adds an arena of at least a quarter of the pool (so the pool ends within about
-      1.25x what a step moves, not at the sum of every length seen); an arena no step has sliced for
+      allocates nothing; a longer step adds an arena of at least a quarter of the pool, and at the next step's start,
+      while nothing is sliced, the arenas it outgrew are freed and the next arena is as large as its copies were at
+      once (so the pool ends within about 1.25x what the largest step moves, at least 1 MiB, not at the sum of every
+      length seen); an arena no step has sliced for
       :data:`RELEASE_AFTER_STEPS` steps is freed.
     - **Pageable buffers**, sized exactly: past ``max_pinned_bytes``, after a pinned allocation failed (one warning,
       then pageable for the rest of the run), and on the synchronous path (a CPU device with ``copy_on_host``, where
@@ -85,6 +87,11 @@ class HostBuffers:
         self.step_bytes = self.step_tensors = 0  # what this step's copies asked for
         self.last_step_bytes: Optional[int] = None  # ... and the last finished step's
         self._room: Optional[int] = None  # host memory free at the last reading, less what was allocated since
+        self._in_use_aligned = 0  # the slices not yet given back, in bytes (with their alignment)
+        self._step_peak = 0  # the most of that at once this step
+        self._outgrown = False  # this step added an arena to arenas it could not fit into
+        self._had_arenas = False  # the step started with arenas
+        self._next_arena = 0  # the least size of the next arena (what the last step had in slices at once)
         self._lock = threading.Lock()  # copies are collected on whichever thread drops them (autograd's)
 
     @property
@@ -98,13 +105,20 @@ class HostBuffers:
         return self.pinned_bytes + self.pageable_bytes
 
     def start_step(self) -> None:
-        """A new step: free the arenas no step has sliced for :data:`RELEASE_AFTER_STEPS` steps."""
-        self.step += 1
-        self.step_bytes = self.step_tensors = 0
+        """A new step: free the arenas no step has sliced for :data:`RELEASE_AFTER_STEPS` steps; after a step that had
+        to add arenas to ones it could not fill (a longer length: the old arenas' ends are too short for its copies),
+        free them all while they are unused, and let the next arena be as large as that step's copies at once, so the
+        pool does not keep the sum of every length seen."""
         with self._lock:
-            idle = [a for a in self.arenas if a.live == 0 and self.step - a.last_step > RELEASE_AFTER_STEPS]
+            idle = [a for a in self.arenas if a.live == 0 and self.step + 1 - a.last_step > RELEASE_AFTER_STEPS]
+            if self._outgrown and all(a.live == 0 for a in self.arenas):
+                idle, self._next_arena = list(self.arenas), self._step_peak
             if idle:
                 self.arenas = [a for a in self.arenas if all(a is not i for i in idle)]
+        self.step += 1
+        self.step_bytes = self.step_tensors = 0
+        self._outgrown, self._step_peak = False, self._in_use_aligned
+        self._had_arenas = bool(self.arenas)
         if idle and self.device is not None:
             del idle
             self.device.release_pinned()
@@ -142,6 +156,8 @@ class HostBuffers:
                 start, arena.used = arena.used, arena.used + size
                 arena.live += 1
                 arena.last_step = self.step
+                self._in_use_aligned += size
+                self._step_peak = max(self._step_peak, self._in_use_aligned)
                 return arena, start
         return None
 
@@ -149,7 +165,9 @@ class HostBuffers:
         """A new arena with room for ``nbytes``; ``None`` past ``max_pinned_bytes`` or when pinning failed."""
         assert self.device is not None
         pinned = self.pinned_bytes
-        capacity = max(_aligned(nbytes), pinned // GROWTH, MIN_ARENA)
+        capacity = max(_aligned(nbytes), pinned // GROWTH, MIN_ARENA, self._next_arena)
+        self._outgrown = self._outgrown or self._had_arenas
+        self._next_arena = 0
         if self.max_pinned_bytes is not None:
             capacity = min(capacity, self.max_pinned_bytes - pinned)
             if capacity < nbytes:
@@ -179,6 +197,7 @@ class HostBuffers:
     def _give_back(self, arena: _Arena, nbytes: int) -> None:
         with self._lock:
             self.in_use_bytes -= nbytes
+            self._in_use_aligned -= _aligned(nbytes)
             arena.live -= 1
             if arena.live == 0:
                 arena.used = 0

@@ -13,6 +13,7 @@ tensor (which shares the counter, not autograd's history) set to an empty storag
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -50,7 +51,9 @@ def _read_template() -> str:
 _TEMPLATE = _read_template()
 
 
-def _torch_message(kind: str, shape: Tuple[int, ...], node: Optional[str], version: int, expected: int) -> str:
+def _torch_message(
+    kind: str, shape: Tuple[int, ...], node: Optional[str], output_nr: int, version: int, expected: int
+) -> str:
     """:data:`_TEMPLATE` filled in for one tensor."""
     head, _, rest = _TEMPLATE.partition("[torch.FloatTensor [1]]")
     _, _, hint = rest.partition("instead.")
@@ -62,7 +65,7 @@ def _torch_message(kind: str, shape: Tuple[int, ...], node: Optional[str], versi
             " Hint: the backtrace further above shows the operation that failed to compute its gradient. The variable "
             "in question was changed in there or anywhere later. Good luck!"
         )
-    where = f", which is output 0 of {node}," if node else ""
+    where = f", which is output {output_nr} of {node}," if node else ""
     return (
         f"{head}[{kind} [{', '.join(map(str, shape))}]]{where} is at version {version}; expected version {expected} "
         f"instead.{hint}"
@@ -70,20 +73,26 @@ def _torch_message(kind: str, shape: Tuple[int, ...], node: Optional[str], versi
 
 
 class SavedVersion:
-    """A saved tensor's version counter as autograd would check it, without holding the tensor's memory.
+    """A saved tensor's version counter as autograd would check it, without holding the tensor's memory or history.
 
     Args:
         tensor: The tensor being saved (what the pack hook receives).
-        handle: Read the version through a handle that holds no memory (a moved tensor); ``False``: ``tensor`` is
-            kept anyway, read it directly.
+        counter: A tensor sharing ``tensor``'s version counter that the caller keeps anyway (a kept save's
+            ``detach()``); ``None``: a handle that holds no memory.
     """
 
-    __slots__ = ("_counter", "version", "_shape")
+    __slots__ = ("_counter", "version", "_shape", "_made_by", "_output_nr", "_tensor")
 
-    def __init__(self, tensor: torch.Tensor, handle: bool = True) -> None:
+    def __init__(self, tensor: torch.Tensor, counter: Optional[torch.Tensor] = None) -> None:
         self.version = tensor._version
-        self._counter = _version_handle(tensor) if handle else tensor
+        self._counter = _version_handle(tensor) if counter is None else counter
         self._shape = tuple(tensor.shape)
+        # what torch's message names: the node that made the tensor (a name and a weak reference: holding the node or
+        # the tensor would make a cycle through autograd's graph, which Python's collector cannot see)
+        grad_fn = tensor.grad_fn
+        self._made_by = grad_fn.name() if grad_fn is not None else None
+        self._output_nr = tensor.output_nr
+        self._tensor = weakref.ref(tensor)
 
     def edits(self) -> int:
         """In-place edits since the save."""
@@ -92,26 +101,36 @@ class SavedVersion:
     def check(self) -> None:
         """Raise torch's error if the tensor was edited in place since it was saved.
 
-        The message names the tensor as torch does, and the node whose backward needs it (torch names the node that
-        produced it last: the same node for a saved output, the common case of an activation edited in place).
+        The message names the tensor as torch does: a saved output by the node that saved it, an input by the node that
+        made it last (the in-place op's, once edited), a leaf by nothing.
         """
         if self.edits() == 0:
             return
         node = torch._C._current_autograd_node()
-        name = re.sub(r"Backward\d*$", "", node.name()) if node is not None else None
-        raise RuntimeError(
-            _torch_message(self._counter.type(), self._shape, name, self.version + self.edits(), self.version)
-        )
+        made_by, output_nr = self._made_by, self._output_nr
+        if made_by is None or node is None or node.name() != made_by:  # an input: as it is now, if it still lives
+            alive = self._tensor()
+            if alive is not None:
+                made_by = alive.grad_fn.name() if alive.grad_fn is not None else None
+                output_nr = alive.output_nr
+        name = re.sub(r"Backward\d*$", "", made_by) if made_by else None
+        version = self.version + self.edits()
+        raise RuntimeError(_torch_message(self._counter.type(), self._shape, name, output_nr, version, self.version))
 
 
 class Kept:
-    """A save a pack hook keeps on the device, with its version at the save (autograd's check, done at unpack)."""
+    """A save a pack hook keeps on the device, with its version at the save (autograd's check, done at unpack).
+
+    It holds the tensor's ``detach()`` (the same memory and version counter, no history): a save of a node's own output
+    holding that output would make a cycle through the graph, and a graph dropped without backward would never be
+    freed.
+    """
 
     __slots__ = ("tensor", "saved")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.saved = SavedVersion(tensor, handle=False)
+        self.tensor = tensor.detach()
+        self.saved = SavedVersion(tensor, counter=self.tensor)
 
     def unpack(self) -> torch.Tensor:
         self.saved.check()
