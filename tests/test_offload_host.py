@@ -245,3 +245,49 @@ def test_a_value_head_edited_in_place_fails_with_offloading_as_without(min_offlo
         make_trainer([offload]).fit(ValueHeadLM(clone(base)), _varying_lengths([32]))
     assert str(offloaded.value) == str(plain.value)
     assert "modified by an inplace operation" in str(plain.value)
+
+
+@pytest.mark.simulated
+def test_a_copy_the_cycle_collector_frees_inside_the_pool_gives_its_slice_back():
+    """A copy reachable only through a cycle (an exception's traceback) is freed by the cycle collector, which may run
+    at any allocation, inside the pool's own code too: its finalizer only queues what it gives back (it took a lock
+    the pool held, and the thread hung)."""
+    import gc
+
+    class Owner:
+        pass
+
+    with SimulatedDevice():
+        memory = TransferEngine(torch.device("cpu"), copy_on_host=True).host
+        owner = Owner()
+        owner.cycle = owner
+        memory.take(1024, owner)
+        del owner
+        slice_arena = memory._slice
+
+        def collecting(nbytes):
+            gc.collect()
+            return slice_arena(nbytes)
+
+        memory._slice = collecting
+        kept = torch.empty(0)
+        memory.take(1024, kept)
+        assert memory.in_use_bytes == 1024
+
+
+@pytest.mark.simulated
+def test_a_pinned_cap_is_kept_without_freeing_the_pool_every_other_step():
+    """Steps moving more than ``max_pinned_bytes``: the arenas under the cap stay, the rest goes through pageable
+    memory (the pool was freed and pinned again every other step); a cap below one aligned copy pins nothing."""
+    with SimulatedDevice() as sim:
+        engine = TransferEngine(torch.device("cpu"), copy_on_host=True, max_pinned_bytes=4 * 2**20)
+        allocations = []
+        for _ in range(4):
+            held = _step_of_small_tensors(engine, [2**20] * 6)
+            allocations.append(sim.host.pinned_allocations)
+            del held
+            engine.finish_step()
+        assert allocations[1:] == [allocations[0]] * 3 and sim.host.pinned_bytes <= 4 * 2**20
+        tiny = TransferEngine(torch.device("cpu"), copy_on_host=True, max_pinned_bytes=1000)
+        _, pinned = tiny.host.take(1000, torch.empty(0))
+        assert not pinned and tiny.host.pinned_bytes == 0

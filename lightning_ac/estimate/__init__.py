@@ -83,7 +83,8 @@ NOTES = [
     "there, and the step counters of an optimizer neither fused nor capturable are host memory, where torch keeps "
     "them",
     "offloading: host is host memory the offload engines hold (a pool apart from the device's), each copy at its "
-    "own size as on a CPU trainer (copy_on_host): an accelerator's pinned arenas hold up to about a quarter more; "
+    "own size as on a CPU trainer (copy_on_host): an accelerator's pinned arenas hold more (about a quarter; up to "
+    "twice on CUDA, whose pinned allocator rounds each arena up to a power of two); "
     "the device holds what waits for its copy to the host as the slowest bus would leave it (the engine's bound, two "
     "of the largest tensors offloaded) and, in backward, the reloaded copies a node uses and at most one loaded "
     "ahead",

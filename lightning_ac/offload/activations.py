@@ -242,7 +242,8 @@ class _HostStorage(dict):
 
 def offloading_sac_storage(engine: TransferEngine) -> Callable[[Callable[..., Any]], Tuple[Any, Any]]:
     """A ``storage_factory`` for :class:`~lightning_ac.selective.policy.SelectivePolicy` whose saved tensors
-    live on the host: each comes back as the recompute reaches it, the next one ahead of it (the engine's prefetch)."""
+    live on the host: each comes back as the recompute reaches it (the engine's prefetch guesses the nearest save
+    packed before the one unpacked, so within a region it brings the previous region's last save ahead)."""
     from torch.utils.checkpoint import _CachingTorchDispatchMode
 
     def factory(policy_fn: Callable[..., Any]) -> Tuple[Any, Any]:

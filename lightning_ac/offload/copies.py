@@ -17,12 +17,12 @@ __all__ = ["HeldCopy", "HostCopy", "InFlight", "Packed", "byte_extent"]
 class HostCopy:
     """A host copy of the byte range ``[start, start + nbytes)`` of one device storage."""
 
-    host: torch.Tensor  # nbytes of host memory (HostBuffers)
+    host: torch.Tensor  # nbytes of host memory (HostCopyMemory)
     storage: Any  # a weak reference to the device storage: a freed storage's address can be reused
     version: int  # the tensor's version counter when copied: an in-place edit since makes the copy stale
     start: int
     nbytes: int
-    event: Any = None  # the device -> host copy finished (an accelerator event, or a _HeldCopy)
+    event: Any = None  # the device -> host copy finished (an accelerator event, or a HeldCopy)
     device_data: Optional[torch.Tensor] = None  # reloaded bytes, shared by every save of this copy
     reload_event: Any = None
     pending_unpacks: int = 0  # saves of this copy not yet unpacked
@@ -54,7 +54,7 @@ class Packed:
 class InFlight:
     """A copy to the host not known to have finished: its device bytes stay referenced (the stash)."""
 
-    done: Any  # the copy's event (``query()``: finished), or a _HeldCopy
+    done: Any  # the copy's event (``query()``: finished), or a HeldCopy
     source: torch.Tensor  # the device bytes the copy reads
     saved: torch.Tensor  # the saved tensor, to see an in-place edit racing the copy
     version: int  # its version counter when the copy was issued

@@ -23,12 +23,14 @@ Note [What the engine holds, until when]
       fewer are loaded ahead, the engine loads the copy of the nearest save packed before this one that no unpack
       has asked for yet (backward runs roughly in reverse of forward; a node unpacks its saves in forward order, and
       a recompute replays a layer forwards, so the nearest earlier save still to come is the guess, and a copy whose
-      saves have all been unpacked is never brought back). A copy loaded ahead and never asked for (its graph freed
-      unused) is held until ``finish_step``.
-    Host memory: each copy's bytes (:class:`~lightning_ac.offload.host_pool.HostBuffers`: a slice of a pinned arena
+      saves have all been unpacked is never brought back). A copy loaded ahead for a save autograd drops unused (a
+      graph freed without backward) stops counting as ahead; one never asked for is let go at ``finish_step``.
+    Host memory: each copy's bytes (:class:`~lightning_ac.offload.host_pool.HostCopyMemory`: a slice of a pinned arena
     or a pageable buffer), until the copy is garbage-collected: the engine refers to a step's saves and copies weakly,
     so a copy lives exactly as long as autograd keeps a save that uses it (a pass outside the training step, a graph
-    kept across steps), plus while its copy is in flight or loaded ahead.
+    kept across steps), plus while it is loaded ahead. The stash may drop a copy's device bytes before the copy to
+    the host has finished (the producer waits for it on the device), and the copy may then be collected and its host
+    slice taken by a later copy: that later copy runs on the same device-to-host stream, after it.
     Version counters: each save carries its tensor's version when packed (:class:`SavedVersion`): ``unpack`` raises
     torch's own error for a tensor edited in place since, as autograd does for saves without hooks.
 
@@ -49,7 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_ac.offload.copies import HeldCopy, HostCopy, InFlight, Packed, byte_extent
 from lightning_ac.offload.device import DeviceStreams, async_device, copies_held_in_flight, stands_for_plain
-from lightning_ac.offload.host_pool import HostBuffers
+from lightning_ac.offload.host_pool import HostCopyMemory
 from lightning_ac.offload.lookahead import Lookahead
 from lightning_ac.offload.saved_version import SavedVersion
 
@@ -112,7 +114,7 @@ class TransferEngine:
         self.enabled = self.on_accelerator or copy_on_host
         self.stash_bytes = stash_bytes
         self.prefetch = prefetch
-        self.host = HostBuffers(self._async, max_pinned_bytes, host_reserve_bytes, host_memory_fix)
+        self.host = HostCopyMemory(self._async, max_pinned_bytes, host_reserve_bytes, host_memory_fix)
         self.last_step: Dict[str, Dict[str, int]] = {}
         # storage address -> weak reference: a storage freed since (a parameter moved) no longer matches
         self.skip_storages: Dict[int, StorageWeakRef] = {}
@@ -252,7 +254,7 @@ class TransferEngine:
             if earlier is None or earlier.copy.device_data is not None:
                 return  # nothing earlier is to come, or it is on the device already (another save asked for it)
             self._reload(earlier.copy)
-            order.ahead.append(earlier.copy)
+            order.loaded_ahead(earlier.copy, earlier)
             index = earlier.index
 
     def _copy_to_host(self, tensor: torch.Tensor, storage: Any, start: int, nbytes: int, target: str) -> HostCopy:

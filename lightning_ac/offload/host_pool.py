@@ -9,7 +9,7 @@ Note [What the host holds, until when]
       allocates nothing; a longer step adds an arena of at least a quarter of the pool, and at the next step's start,
       while nothing is sliced, the arenas it outgrew are freed and the next arena is as large as its copies were at
       once (so the pool ends within about 1.25x what the largest step moves, at least 1 MiB, not at the sum of every
-      length seen); an arena no step has sliced for
+      length seen; on CUDA each arena is rounded up to a power of two, which it uses: up to 2x); an arena no step has sliced for
       :data:`RELEASE_AFTER_STEPS` steps is freed.
     - **Pageable buffers**, sized exactly: past ``max_pinned_bytes``, after a pinned allocation failed (one warning,
       then pageable for the rest of the run), and on the synchronous path (a CPU device with ``copy_on_host``, where
@@ -21,17 +21,17 @@ Note [What the host holds, until when]
 
 from __future__ import annotations
 
-import threading
+import collections
 import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
 from lightning_ac.offload.device import AsyncDevice, HostMemoryError, host_limit
 from lightning_ac.units import format_bytes
 
-__all__ = ["ALIGN", "RELEASE_AFTER_STEPS", "HostBuffers"]
+__all__ = ["ALIGN", "RELEASE_AFTER_STEPS", "HostCopyMemory"]
 
 ALIGN = 512  # where a slice starts: a multiple of every dtype's size, and of what DMA engines prefer
 MIN_ARENA = 2**20
@@ -56,7 +56,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-class HostBuffers:
+class HostCopyMemory:
     """Host buffers for a transfer engine's copies (Note [What the host holds, until when] above).
 
     Args:
@@ -80,8 +80,6 @@ class HostBuffers:
         self.host_reserve_bytes = host_reserve_bytes
         self.host_memory_fix = host_memory_fix
         self.arenas: List[_Arena] = []
-        self.pageable_bytes = 0  # pageable buffers alive
-        self.in_use_bytes = 0  # the copies alive: their slices and pageable buffers
         self.pinning_failed = False
         self.step = 0
         self.step_bytes = self.step_tensors = 0  # what this step's copies asked for
@@ -92,12 +90,29 @@ class HostBuffers:
         self._outgrown = False  # this step added an arena to arenas it could not fit into
         self._had_arenas = False  # the step started with arenas
         self._next_arena = 0  # the least size of the next arena (what the last step had in slices at once)
-        self._lock = threading.Lock()  # copies are collected on whichever thread drops them (autograd's)
+        # Copies are collected on whichever thread drops them (autograd's), and by the cycle collector at any
+        # allocation, inside this class's own code too: their finalizers only queue what they give back, and the
+        # owner's thread applies it (no lock a finalizer could wait on).
+        self._returned: Deque[Tuple[Optional[_Arena], int]] = collections.deque()
+        self._pageable_bytes = 0
+        self._in_use_bytes = 0
 
     @property
     def pinned_bytes(self) -> int:
         """Host memory the arenas pin (whether sliced now or not)."""
         return sum(arena.held for arena in self.arenas)
+
+    @property
+    def pageable_bytes(self) -> int:
+        """Pageable buffers alive."""
+        self._apply_returns()
+        return self._pageable_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        """The copies alive: their slices and pageable buffers."""
+        self._apply_returns()
+        return self._in_use_bytes
 
     @property
     def held_bytes(self) -> int:
@@ -109,15 +124,18 @@ class HostBuffers:
         to add arenas to ones it could not fill (a longer length: the old arenas' ends are too short for its copies),
         free them all while they are unused, and let the next arena be as large as that step's copies at once, so the
         pool does not keep the sum of every length seen."""
-        with self._lock:
-            idle = [a for a in self.arenas if a.live == 0 and self.step + 1 - a.last_step > RELEASE_AFTER_STEPS]
-            if self._outgrown and all(a.live == 0 for a in self.arenas):
-                idle, self._next_arena = list(self.arenas), self._step_peak
-            if idle:
-                self.arenas = [a for a in self.arenas if all(a is not i for i in idle)]
+        self._apply_returns()
+        unused = all(a.live == 0 for a in self.arenas)
+        idle = [a for a in self.arenas if a.live == 0 and self.step + 1 - a.last_step > RELEASE_AFTER_STEPS]
+        if self._outgrown and unused:
+            idle, self._next_arena = list(self.arenas), self._step_peak
+        if idle:
+            self.arenas = [a for a in self.arenas if all(a is not i for i in idle)]
         self.step += 1
         self.step_bytes = self.step_tensors = 0
-        self._outgrown, self._step_peak = False, self._in_use_aligned
+        # a step outgrown while a kept graph held a slice is consolidated once nothing is sliced
+        self._outgrown = self._outgrown and not unused
+        self._step_peak = self._in_use_aligned
         self._had_arenas = bool(self.arenas)
         if idle and self.device is not None:
             del idle
@@ -129,25 +147,40 @@ class HostBuffers:
     def take(self, nbytes: int, owner: Any) -> Tuple[torch.Tensor, bool]:
         """``nbytes`` of host memory for a copy, given back when ``owner`` is garbage-collected; and whether they are
         pinned."""
+        self._apply_returns()
         self.step_bytes += nbytes
         self.step_tensors += 1
-        if self.device is not None and not self.pinning_failed:
-            with self._lock:
-                found = self._slice(nbytes)
-            if found is None:
+        if self.device is not None:
+            found = self._slice(nbytes)
+            if found is None and not self.pinning_failed:  # after a failure the arenas there still serve
                 found = self._grow(nbytes)
             if found is not None:
                 arena, start = found
-                self.in_use_bytes += nbytes
-                weakref.finalize(owner, self._give_back, arena, nbytes)
+                self._in_use_bytes += nbytes
+                weakref.finalize(owner, self._returned.append, (arena, nbytes))
                 return arena.buffer[start : start + nbytes], True
         self._ensure_room(nbytes)
-        self.pageable_bytes += nbytes
-        self.in_use_bytes += nbytes
-        weakref.finalize(owner, self._free_pageable, nbytes)
+        self._pageable_bytes += nbytes
+        self._in_use_bytes += nbytes
+        weakref.finalize(owner, self._returned.append, (None, nbytes))
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu"), False
 
     # -- internals ----------------------------------------------------------------------------------------
+
+    def _apply_returns(self) -> None:
+        """Apply what collected copies gave back (their finalizers only queue it)."""
+        while self._returned:
+            arena, nbytes = self._returned.popleft()
+            self._in_use_bytes -= nbytes
+            if arena is None:
+                self._pageable_bytes -= nbytes
+                if self._room is not None:
+                    self._room += nbytes
+                continue
+            self._in_use_aligned -= _aligned(nbytes)
+            arena.live -= 1
+            if arena.live == 0:
+                arena.used = 0
 
     def _slice(self, nbytes: int) -> Optional[Tuple[_Arena, int]]:
         size = _aligned(nbytes)
@@ -164,49 +197,38 @@ class HostBuffers:
     def _grow(self, nbytes: int) -> Optional[Tuple[_Arena, int]]:
         """A new arena with room for ``nbytes``; ``None`` past ``max_pinned_bytes`` or when pinning failed."""
         assert self.device is not None
-        pinned = self.pinned_bytes
-        capacity = max(_aligned(nbytes), pinned // GROWTH, MIN_ARENA, self._next_arena)
-        self._outgrown = self._outgrown or self._had_arenas
-        self._next_arena = 0
-        if self.max_pinned_bytes is not None:
-            capacity = min(capacity, self.max_pinned_bytes - pinned)
-            if capacity < nbytes:
+        pinned, size = self.pinned_bytes, _aligned(nbytes)
+        # the allocator's rounding (a power of two on CUDA) is room the arena may as well use
+        capacity = self.device.pinned_nbytes(max(size, pinned // GROWTH, MIN_ARENA, self._next_arena))
+        if self.max_pinned_bytes is not None and pinned + capacity > self.max_pinned_bytes:
+            capacity = self.max_pinned_bytes - pinned
+            if self.device.pinned_nbytes(capacity) + pinned > self.max_pinned_bytes:
+                capacity = size  # the largest arena under the cap, rounded, might not fit it
+            if capacity < size or pinned + self.device.pinned_nbytes(capacity) > self.max_pinned_bytes:
                 return None
         if not self._room_for(self.device.pinned_nbytes(capacity), fresh=True):
-            capacity = _aligned(nbytes)  # a tight host: an arena of just this copy, or the error
+            capacity = size  # a tight host: an arena of just this copy, or the error
         held = self.device.pinned_nbytes(capacity)
         self._ensure_room(held)
         try:
             buffer = self.device.pinned_empty(capacity)
         except RuntimeError as error:  # cudaHostAlloc refused (locked-memory limits, a container's cap)
             self.pinning_failed = True
+            if self._room is not None:
+                self._room += held
             from lightning_ac._logging import rank_zero_warn
 
             rank_zero_warn(
                 f"activation offloading could not allocate {format_bytes(capacity)} of pinned host memory ({error}); "
-                "it copies through pageable memory from now on, which the device cannot overlap with compute. Raise "
-                "the locked-memory limit (ulimit -l) or cap the pinned pool with ActivationOffload(max_pinned_bytes="
-                "...)."
+                "past the pinned memory it holds, it copies through pageable memory from now on, which the device "
+                "cannot overlap with compute. Raise the locked-memory limit (ulimit -l) or cap the pinned pool with "
+                "ActivationOffload(max_pinned_bytes=...)."
             )
             return None
-        arena = _Arena(buffer, held, self.step)
-        with self._lock:
-            self.arenas.append(arena)
-            return self._slice(nbytes)
-
-    def _give_back(self, arena: _Arena, nbytes: int) -> None:
-        with self._lock:
-            self.in_use_bytes -= nbytes
-            self._in_use_aligned -= _aligned(nbytes)
-            arena.live -= 1
-            if arena.live == 0:
-                arena.used = 0
-
-    def _free_pageable(self, nbytes: int) -> None:
-        self.pageable_bytes -= nbytes
-        self.in_use_bytes -= nbytes
-        if self._room is not None:
-            self._room += nbytes
+        self._outgrown = self._outgrown or self._had_arenas
+        self._next_arena = 0
+        self.arenas.append(_Arena(buffer, held, self.step))
+        return self._slice(nbytes)
 
     def _room_for(self, nbytes: int, fresh: bool = False) -> bool:
         """Whether ``nbytes`` more host memory stay within ``MemAvailable`` less the reserve (read again when the pool

@@ -10,7 +10,7 @@ never brought back.
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from lightning_ac.offload.copies import HostCopy, Packed
 
@@ -24,7 +24,7 @@ class Lookahead:
     def __init__(self) -> None:
         self._packed: List[Any] = []  # weak refs to the saves, in pack order
         self._below: List[int] = []  # per save: the next earlier save that may still be to come
-        self.ahead: List[HostCopy] = []  # copies loaded ahead, held until asked for or the step's end
+        self._ahead: List[Tuple[HostCopy, Any]] = []  # copies loaded ahead, and a weak ref to the save guessed
 
     def add(self, make: Any) -> Packed:
         """Record the save ``make(index)`` returns, ``index`` its position in pack order."""
@@ -38,11 +38,23 @@ class Lookahead:
         """Whether ``packed`` is one of this step's saves (a graph kept from an earlier step is not)."""
         return packed.index < len(self._packed) and self._packed[packed.index]() is packed
 
+    @property
+    def ahead(self) -> List[HostCopy]:
+        """The copies loaded ahead of any unpack asking for them, held until asked for or the step's end; a copy
+        guessed for a save autograd has dropped since (a graph freed without backward, a gradient not asked for) no
+        longer counts, and is held only as long as another save of it lives."""
+        self._ahead = [(copy, save) for copy, save in self._ahead if save() is not None]
+        return [copy for copy, _ in self._ahead]
+
+    def loaded_ahead(self, copy: HostCopy, packed: Packed) -> None:
+        """``copy`` was loaded ahead, guessed for ``packed``."""
+        self._ahead.append((copy, weakref.ref(packed)))
+
     def asked(self, copy: HostCopy) -> None:
         """An unpack asked for ``copy``: it is no longer loaded ahead."""
         if not copy.asked:
             copy.asked = True
-            self.ahead = [c for c in self.ahead if c is not copy]
+            self._ahead = [(c, save) for c, save in self._ahead if c is not copy]
 
     def still_to_come(self, index: int) -> Optional[Packed]:
         """The nearest save packed before ``index`` that is alive and not yet unpacked (the saves passed over are

@@ -131,10 +131,11 @@ class SaveTrace:
 
 
 class _Token:
-    """What the trace's pack hook keeps: the save's index and the tensor itself (nothing moves)."""
+    """What the trace's pack hook keeps: the save's index and the tensor's ``detach()`` (nothing moves; holding the
+    tensor with its history would make a cycle through autograd's graph, and a dropped graph would never die)."""
 
     def __init__(self, save: int, tensor: torch.Tensor) -> None:
-        self.save, self.tensor = save, tensor
+        self.save, self.tensor = save, tensor.detach()
 
 
 def _storage_ref(storage: Any) -> Callable[[], Optional[int]]:
@@ -154,17 +155,23 @@ def ideal_residency(trace: SaveTrace, prefetch: int = 1) -> List[int]:
     """
     nbytes = [c.nbytes for c in trace.copies]
     pending = [c.saves for c in trace.copies]
+    saves_of: Dict[int, List[int]] = {}
+    for index, save in enumerate(trace.saves):
+        saves_of.setdefault(save.copy, []).append(index)
     loaded: Set[int] = set()  # copies the engine holds on the device
-    ahead: List[int] = []  # ... of them, loaded ahead of any unpack asking for them
+    ahead: List[Tuple[int, int]] = []  # ... of them, loaded ahead of any unpack asking for them: (copy, save guessed)
     unpacked: Set[int] = set()
     residency = []
     for event in trace.unpacks:
         residency.append(sum(nbytes[c] for c in loaded | event.handed))
         copy = trace.saves[event.save].copy
         loaded.add(copy)
-        if copy in ahead:
-            ahead.remove(copy)
+        ahead = [(c, s) for c, s in ahead if c != copy]
         unpacked.add(event.save)
+        for c, s in [(c, s) for c, s in ahead if s in event.dead]:  # guessed for a save dropped unused
+            ahead.remove((c, s))
+            if all(other in event.dead for other in saves_of[c]):
+                loaded.discard(c)  # nothing refers to the copy any more
         below = event.save
         while len(ahead) < prefetch:
             below = next(
@@ -174,7 +181,7 @@ def ideal_residency(trace: SaveTrace, prefetch: int = 1) -> List[int]:
             if below is None or trace.saves[below].copy in loaded:
                 break
             loaded.add(trace.saves[below].copy)
-            ahead.append(trace.saves[below].copy)
+            ahead.append((trace.saves[below].copy, below))
         pending[copy] -= 1
         if pending[copy] <= 0:
             loaded.discard(copy)
