@@ -9,10 +9,10 @@ Note [What the host holds, until when]
       allocates nothing; a longer step adds an arena of at least a quarter of the pool, and at the next step's start,
       while nothing is sliced, the arenas it outgrew are freed and the next arena is as large as its copies were at
       once (so the pool ends within about 1.25x what the largest step moves, at least 1 MiB, not at the sum of every
-      length seen; on CUDA each arena is rounded up to a power of two, which it uses: up to 2x); an arena no step has sliced for
-      :data:`RELEASE_AFTER_STEPS` steps is freed.
-    - **Pageable buffers**, sized exactly: past ``max_pinned_bytes``, after a pinned allocation failed (one warning,
-      then pageable for the rest of the run), and on the synchronous path (a CPU device with ``copy_on_host``, where
+      length seen; on CUDA each arena is rounded up to a power of two, which it uses: up to 2x); an arena no step
+      has sliced for :data:`RELEASE_AFTER_STEPS` steps is freed.
+    - **Pageable buffers**, sized exactly: past ``max_pinned_bytes``, past the arenas there once a pinned allocation
+      failed (one warning), and on the synchronous path (a CPU device with ``copy_on_host``, where
       nothing is pinned). Each is freed with its copy.
     - **The count** is what is allocated, not the tensors' bytes: each arena's real size (the allocator's rounding:
       :meth:`~lightning_ac.offload.device.AsyncDevice.pinned_nbytes`), each pageable buffer's size. Memory is checked
