@@ -16,7 +16,8 @@ Note [What the host holds, until when]
       nothing is pinned). Each is freed with its copy.
     - **The count** is what is allocated, not the tensors' bytes: each arena's real size (the allocator's rounding:
       :meth:`~lightning_ac.offload.device.AsyncDevice.pinned_nbytes`), each pageable buffer's size. Memory is checked
-      only when it grows, against ``MemAvailable`` read again whenever the room last read has run out.
+      only when it grows, against ``MemAvailable``, read again whenever the pool grows or the room last read has run
+      out.
 """
 
 from __future__ import annotations
