@@ -963,47 +963,11 @@ def test_lora_dropout_is_counted_as_the_target_keeps_it_with_recompute_too():
             Training(4, lora_dropout=bad)
 
 
-class _EngineResidency(pl.Callback):
-    """The offload engine's reloaded bytes still referred to as each unpack of the first step begins, by their
-    storages (fake ones in the estimate: no allocator to ask)."""
-
-    def __init__(self):
-        self.seen, self._reloaded, self._engine = [], [], None
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        from lightning_ac import ActivationOffload
-
-        if self._engine is not None:
-            return
-        offload = next(cb for cb in trainer.callbacks if isinstance(cb, ActivationOffload))
-        engine = self._engine = offload.plan.activation_offload.engine
-        unpack, reload = engine.unpack, engine._reload
-
-        def probed(packed, *args, **kwargs):
-            self.seen.append(sum(n for ref, n in self._reloaded if not ref.expired()))
-            return unpack(packed, *args, **kwargs)
-
-        def tracked(copy):
-            fresh = copy.device_data is None
-            data = reload(copy)
-            if fresh:
-                self._reloaded.append((StorageWeakRef(data.untyped_storage()), copy.nbytes))
-            return data
-
-        engine.unpack, engine._reload = probed, tracked
-
-    def on_train_batch_end(self, *args):
-        if self._engine is not None and "unpack" in self._engine.__dict__:
-            del self._engine.unpack, self._engine._reload
-
-
 @pytest.mark.parametrize("mode_name", ["offload_only", "offload_hidden_selective", "offload_all"])
 def test_the_estimates_offload_rows_hold_in_backward_what_the_oracle_says(mode_name):
     """The estimate's fake step runs the transfer engine; what it holds in backward is judged by the oracle, from a
     real CPU step of the same mode without offloading (its saves traced with plain hooks), not by the engine."""
-    from test_offload_residency import Tracer
+    from test_offload_residency import CudaProbe, Tracer
 
     from lightning_ac import ActivationOffload
     from lightning_ac.testing.residency import ideal_residency
@@ -1022,6 +986,6 @@ def test_the_estimates_offload_rows_hold_in_backward_what_the_oracle_says(mode_n
     data = torch.utils.data.DataLoader([ids], batch_size=None)
     step_trainer([*suite, tracer], max_steps=1).fit(_StepModule(model, optimizer_choice("adamw", "cpu")), data)
 
-    probe = _EngineResidency()
+    probe = CudaProbe()
     fake_step(config, torch.float32, LORA, mode, seq, 2, "adamw", target="cpu", extra_callbacks=[probe])
     assert probe.seen == ideal_residency(tracer.trace) and probe.seen

@@ -198,10 +198,10 @@ def test_offloading_holds_what_the_oracle_says_at_every_unpack(case):
 
 
 class CudaProbe(Probe):
-    """On CUDA: the engine's reloaded bytes still referred to, by their storages (the caching allocator keeps freed
-    blocks, so its own count does not fall when a storage is freed)."""
+    """The engine's reloaded bytes still referred to, by their storages: on CUDA (the caching allocator keeps freed
+    blocks, so its own count does not fall when a storage is freed) and in the estimate's fake step (no allocator)."""
 
-    def __init__(self, offload: ActivationOffload) -> None:
+    def __init__(self, offload: Optional[ActivationOffload] = None) -> None:
         super().__init__(None, offload)  # type: ignore[arg-type]
         self.reloaded: List[Any] = []
 
@@ -211,6 +211,8 @@ class CudaProbe(Probe):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        if self.offload is None:  # the first ActivationOffload of the run (one the estimate's fake step made)
+            self.offload = next(cb for cb in trainer.callbacks if isinstance(cb, ActivationOffload))
         engine = self.offload.plan.activation_offload.engine
         if self._done or "unpack" in engine.__dict__:
             return
