@@ -4,10 +4,16 @@ Everything a plan installs (transformers' checkpointing flags, its input-grad ho
 lives in module attributes or hook dictionaries. Snapshotting both before applying and restoring them on
 removal leaves the model as we found it, whatever the engine touched in between.
 
-A copy taken while the plan is applied (``copy.deepcopy``: a best-model snapshot, a teacher made in
-``on_fit_start``) is a copy of the model as found: our wrappers are closures over the live modules (a copied
-wrapper would compute with the live model's weights, during the run and after it, and cannot be pickled), so each
-module we touched copies itself without them (:class:`_CopyAsFound`).
+A copy or a pickle taken while the plan is applied (``copy.deepcopy``: a best-model snapshot, a teacher made in
+``on_fit_start``; ``torch.save``, EMA and checkpointing code that pickles modules) is of the model as found: our
+wrappers are closures over the live modules (a copied wrapper would compute with the live model's weights, during the
+run and after it, and cannot be pickled), and what we set on shared objects for the run (a model config's
+``use_cache``) is run state. Each module we touched gives a copy its state as found (:class:`_StateAsFound`).
+
+That state is given through the module's own ``__getstate__``, which both ``copy.deepcopy`` and pickle read from the
+instance. Not ``__deepcopy__``: ``nn.Module`` has none, so a wrapper that forwards unknown attributes to the model it
+wraps (PEFT's models, ``torch.compile``'s ``OptimizedModule``) would find the wrapped model's and copy itself as that.
+``nn.Module`` has a ``__getstate__``, so the instance's is found on that instance only.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from torch import nn
 __all__ = ["ModuleJournal"]
 
 _MISSING = object()
-# where ``copy.deepcopy`` looks for a module's own copier: an instance attribute is found before the class's
-COPIER = "__deepcopy__"
+# where copies and pickles read a module's state: an instance attribute is found before the class's
+STATE_AS_FOUND = "__getstate__"
+# a class that copies or pickles itself its own way keeps its way
+_OWN_WAYS = ("__deepcopy__", "__reduce__", "__reduce_ex__")
 
 # nn.Module's hook registries; RemovableHandle ids are their keys.
 _HOOK_DICTS = (
@@ -57,6 +65,8 @@ class ModuleJournal:
         self._hooks: List[Dict[str, Tuple[Any, ...]]] = [
             {d: tuple(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in self._modules
         ]
+        self._settings: List[Tuple[Any, str, Any, Any]] = []  # (target, name, before, ours): set_for_the_run
+        self._as_found_objects: Dict[int, Tuple[Any, Any]] = {}  # id(target): (target, its stand-in in copies)
 
     def commit(self) -> None:
         """Record what was installed since the snapshot as ours. From now on :meth:`restore` removes only that,
@@ -78,26 +88,34 @@ class ModuleJournal:
                 }
             )
         self._committed = True
-        self._copy_as_found()
+        self._give_state_as_found()
 
-    def _copy_as_found(self) -> None:
-        """Each module we touched copies itself without what we installed (restored with the rest). A module whose
-        class copies itself its own way keeps its way."""
+    def set_for_the_run(self, target: Any, name: str, value: Any) -> None:
+        """Set ``target.<name> = value`` for the run, on an object modules share (a model config's ``use_cache``):
+        :meth:`restore` puts it back, and a copy or a pickle of a module that holds ``target`` gets it as found.
+        Called before :meth:`commit`."""
+        self._settings.append((target, name, getattr(target, name), value))
+        self._as_found_objects.setdefault(id(target), (target, copy.copy(target)))
+        setattr(target, name, value)
+
+    def _give_state_as_found(self) -> None:
+        """Each module we touched, or that holds an object set for the run, gives copies and pickles its state as
+        found (restored with the rest). A module whose class copies itself its own way keeps its way."""
         for index, module in enumerate(self._modules):
             touched = self._ours_attrs[index] or any(self._ours_hooks[index].values())
-            if not touched or getattr(type(module), COPIER, None) is not None:
+            holds = any(id(value) in self._as_found_objects for value in module.__dict__.values())
+            if not (touched or holds) or any(way in vars(type(module)) for way in _OWN_WAYS):
                 continue
-            copier = _CopyAsFound(self, index)
-            self._attrs[index][COPIER] = module.__dict__.get(COPIER, _MISSING)
-            self._ours_attrs[index][COPIER] = copier
-            module.__dict__[COPIER] = copier
+            self._attrs[index][STATE_AS_FOUND] = module.__dict__.get(STATE_AS_FOUND, _MISSING)
+            self._ours_attrs[index][STATE_AS_FOUND] = module.__dict__[STATE_AS_FOUND] = _StateAsFound(self, index)
 
     def as_found(self, index: int) -> Dict[str, Any]:
         """The state of the ``index``-th module recorded, as its class gives it to a copy (``__getstate__``: torch
         leaves out a compiled call, Lightning the trainer), without the attributes and hooks we installed: the
-        attributes as they were before (where they still hold ours), the hook registries less ours."""
+        attributes as they were before (where they still hold ours), the hook registries less ours, the objects set
+        for the run as found."""
         module = self._modules[index]
-        state = dict(module.__getstate__())
+        state = dict(type(module).__getstate__(module))
         before, ours = self._attrs[index], self._ours_attrs[index]
         for name, value in ours.items():
             if state.get(name, _MISSING) is not value:
@@ -110,12 +128,29 @@ class ModuleJournal:
             registry = state.get(dict_name)
             if registry is not None and keys:
                 state[dict_name] = type(registry)((k, v) for k, v in registry.items() if k not in keys)
-        return state
+        return {name: self._object_as_found(value) for name, value in state.items()}
+
+    def _object_as_found(self, value: Any) -> Any:
+        """``value``, or where it is an object set for the run, its stand-in: one object per target (so the modules
+        of a copy still share one config), refreshed from the target now, with the settings as found."""
+        if id(value) not in self._as_found_objects:
+            return value
+        target, stand_in = self._as_found_objects[id(value)]
+        stand_in.__dict__.clear()
+        stand_in.__dict__.update({k: self._object_as_found(v) for k, v in target.__dict__.items()})
+        for setting, name, before, _ in self._settings:
+            if setting is target:
+                setattr(stand_in, name, before)
+        return stand_in
 
     def restore(self) -> None:
         """Put back what we changed: after :meth:`commit`, only our hooks and the attributes we set (where they
         still hold our value); before it (a failed apply), everything changed since the snapshot."""
         committed = getattr(self, "_committed", False)
+        for target, name, before, ours in reversed(self._settings):
+            if not committed or getattr(target, name) is ours:
+                setattr(target, name, before)
+        self._settings, self._as_found_objects = [], {}
         for index, (module, attrs, hooks) in enumerate(zip(self._modules, self._attrs, self._hooks)):
             for name, value in attrs.items():
                 if committed:
@@ -138,18 +173,13 @@ class ModuleJournal:
                     del registry[key]
 
 
-class _CopyAsFound:
-    """A touched module's ``__deepcopy__`` while a plan is applied: the copy is made as ``copy.deepcopy`` makes a
-    module's (a new instance, its state deep-copied, ``__setstate__``), from the state as found
-    (:meth:`ModuleJournal.as_found`)."""
+class _StateAsFound:
+    """A touched module's ``__getstate__`` while a plan is applied: its state as found
+    (:meth:`ModuleJournal.as_found`), for ``copy.deepcopy`` and pickle alike."""
 
     def __init__(self, journal: ModuleJournal, index: int) -> None:
         self._journal = journal
         self._index = index
 
-    def __call__(self, memo: Dict[int, Any]) -> nn.Module:
-        module = self._journal._modules[self._index]
-        copied = type(module).__new__(type(module))
-        memo[id(module)] = copied  # before the state: a module that refers to itself, or a child to its parent
-        copied.__setstate__(copy.deepcopy(self._journal.as_found(self._index), memo))
-        return copied
+    def __call__(self) -> Dict[str, Any]:
+        return self._journal.as_found(self._index)

@@ -100,7 +100,6 @@ class Plan:
         self._offload_here = False  # offload targets set, and useful on this device (decided once, in apply)
         self._precision = ""
         self._fitting = True  # trainer.fit (validate, test and predict run no backward)
-        self._cache_configs: List[Any] = []  # model configs whose use_cache is off for the run
         self.verifier: Optional[StepVerifier] = None
         self._trainer: Any = None
         self._stage = "fit"
@@ -230,7 +229,7 @@ class Plan:
                     head_chunks=lambda: self.chunked_loss.last_chunks if self.chunked_loss is not None else None,
                 )
                 if self._fitting:
-                    cache_off_for_the_run(layers, self._cache_configs)
+                    cache_off_for_the_run(layers, self._journal)
             if self._fitting:
                 self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
@@ -330,9 +329,6 @@ class Plan:
         if self.module is not None and self._deferred:
             self.module.__dict__.pop("configure_model", None)
             self._deferred = False
-        for config in self._cache_configs:
-            config.use_cache = True
-        self._cache_configs = []
         self.verifier, self._trainer = None, None
         offload, selective, journal = self.activation_offload, self.selective, self._journal
         streamer, budget, chunked_loss, tiled = self.weight_streamer, self.budget, self.chunked_loss, self.tiled_mlp

@@ -18,6 +18,7 @@ from lightning_ac.budget.first_plan import check_first_plan
 from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.packed import notice_for
 from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError
+from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import CompiledModules, DecoderLayers, compiled_layers
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import checkpointed_inside_too, compiled_call, offload_inputs_of_compiled_layer
@@ -264,20 +265,20 @@ def describe_recompute(config: ActivationCheckpointingConfig, done: Recompute) -
     return ", ".join(parts)
 
 
-def cache_off_for_the_run(layers: DecoderLayers, configs: List[Any]) -> None:
+def cache_off_for_the_run(layers: DecoderLayers, journal: ModuleJournal) -> None:
     """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every
     run whose model config asks for the cache: the configs say use_cache=False for the run instead (put back
-    at removal), so the log keeps to what a user should read. Without a cache transformers masks packed
-    documents apart: a packed batch is said (:mod:`lightning_ac.checkpoint.packed`).
+    at removal, and as found in a copy or a pickle taken during the run: the journal's), so the log keeps to what a
+    user should read. Without a cache transformers masks packed documents apart: a packed batch is said
+    (:mod:`lightning_ac.checkpoint.packed`).
 
     Args:
         layers: The decoder layers found (their transformers models).
-        configs: The model configs turned off so far; each one turned off here is added (the plan turns them back).
+        journal: The plan's journal, which sets each config for the run.
     """
     for model in layers.hf_models:
         for module in model.modules():
             config = getattr(module, "config", None)
-            if getattr(config, "use_cache", False) is True and all(config is not c for c in configs):
-                config.use_cache = False
-                configs.append(config)
+            if getattr(config, "use_cache", False) is True:
+                journal.set_for_the_run(config, "use_cache", False)
                 notice_for(module)  # packed batches are masked otherwise without the cache: said once
