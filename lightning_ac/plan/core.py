@@ -235,7 +235,7 @@ class Plan:
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)
                 # what acts only in training mode, checked where the step reaches it (the budget's choice may change)
                 self.train_mode = TrainModeGuard.install_on(
-                    self.module, layers, lambda: self.recomputed, self.chunked_loss, self._trainer
+                    self.module, layers, lambda: self.recomputed, self.chunked_loss, LightningModule
                 )
             self._install_verifier()
             self._wrap_training_step()
@@ -291,7 +291,9 @@ class Plan:
 
     def _wrap_training_step(self) -> None:
         if isinstance(self.module, LightningModule):
-            wrap_training_step(self.module, self._trainer, self.activation_offload, self.verifier, self.budget)
+            wrap_training_step(
+                self.module, self._trainer, self.activation_offload, self.verifier, self.budget, self.train_mode
+            )
 
     def _budget_changed(self, choices: List[Choice]) -> None:
         """The budget chose again: the report and the selective policy follow."""

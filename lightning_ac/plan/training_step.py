@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, List, Optional, Sequence, Union
 
@@ -12,6 +13,7 @@ from lightning_ac.budget import BudgetController
 from lightning_ac.config import ActivationOffloadRequest, LayerOffloadRequest
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.weights import LayerWeightStreamer
+from lightning_ac.train_mode import TrainModeGuard
 from lightning_ac.verify import StepVerifier
 
 __all__ = ["transferred", "verifier_for", "wrap_training_step"]
@@ -23,6 +25,7 @@ def wrap_training_step(
     runtime: Optional[ActivationOffloadRuntime],
     verifier: Optional[StepVerifier],
     budget: Optional[BudgetController],
+    guard: Optional[TrainModeGuard] = None,
 ) -> None:
     """What happens at the training step itself, not at ``on_train_batch_start`` (a LightningModule whose
     ``on_train_batch_start`` returns -1 skips the step and the rest of the epoch, and nothing of ours may stay
@@ -35,11 +38,12 @@ def wrap_training_step(
     - the memory budget counts what the step saves outside the decoder layers, while it measures (its step itself
       starts at ``on_train_batch_start``, as the memory measurements of the benchmark do: MemTracker's module
       hooks must see the wrapped module's whole forward under DDP);
-    - in verify mode, the reference pass runs first, on the same arguments.
+    - in verify mode, the reference pass runs first, on the same arguments;
+    - the train-mode guard acts inside the step only (a callback's forward after it is its own).
 
     The module's journal puts its own ``training_step`` back when the plan is removed.
     """
-    if runtime is None and verifier is None and budget is None:
+    if runtime is None and verifier is None and budget is None and guard is None:
         return
     original = module.training_step
 
@@ -53,9 +57,10 @@ def wrap_training_step(
 
     @functools.wraps(original)
     def training_step(*args: Any, **kwargs: Any) -> Any:
-        if verifier is not None:
-            verifier.reference_pass(trainer, module, step, args, kwargs)
-        return step(*args, **kwargs)
+        with guard.step() if guard is not None else contextlib.nullcontext():
+            if verifier is not None:
+                verifier.reference_pass(trainer, module, step, args, kwargs)
+            return step(*args, **kwargs)
 
     module.training_step = training_step  # type: ignore[method-assign]
 
