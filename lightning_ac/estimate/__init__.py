@@ -7,6 +7,8 @@ meta device, the suite applied by a real Lightning ``Trainer`` with the mode's c
 is made and freed. See :func:`estimate`; the modules, one job each:
 
     :mod:`~lightning_ac.estimate.models`: the config (presets, files, model types, ``--set``) and the model on meta.
+    :mod:`~lightning_ac.estimate.overrides`: where ``--set`` puts its values (a multimodal config's language model).
+    :mod:`~lightning_ac.estimate.imports`: bitsandbytes only for a run that uses it, its import's log lines at DEBUG.
     :mod:`~lightning_ac.estimate.modes`: the benchmark's modes, and ``chunked_loss`` as a setting of any of them.
     :mod:`~lightning_ac.estimate.tracker`: the O(1)-per-op memory tracker, by storage identity.
     :mod:`~lightning_ac.fake`: the fake session, and what it puts back for the caller.

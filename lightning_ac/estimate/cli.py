@@ -70,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a config value (repeatable): --set hidden_size=64 --set num_hidden_layers=2",
+        help="a config value (repeatable): --set hidden_size=64 --set num_hidden_layers=2; dotted keys reach nested "
+        "configs, and on a multimodal config (gemma3, llama4) an undotted key is its language model's",
     )
     p.add_argument("--seq", type=int, nargs="+", required=True, help="tokens per sequence (one or more lengths)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")

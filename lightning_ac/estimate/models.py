@@ -14,6 +14,8 @@ from torch import nn
 
 from lightning_ac.estimate.attention import FLASH_STAND_IN, attention_for
 from lightning_ac.estimate.errors import EstimateError
+from lightning_ac.estimate.imports import without_bitsandbytes
+from lightning_ac.estimate.overrides import apply_overrides, check_heads, check_layers, padding_hint
 from lightning_ac.estimate.qlora import four_bit_linears, prepare_for_kbit_training
 
 __all__ = [
@@ -91,24 +93,16 @@ def _base_config(model: str) -> Dict[str, Any]:
 
 
 def load_config(model: str, overrides: Mapping[str, Any] = (), attention: Optional[str] = None) -> Any:
-    """The transformers config ``model`` names, with ``overrides`` applied (dotted keys reach nested configs:
-    ``text_config.hidden_size``). A ``layer_types`` list from the file is dropped when ``num_hidden_layers`` is
-    overridden without it (the model's default pattern for the new depth is used). ``attention``: the attention
-    implementation (:func:`~lightning_ac.estimate.attention.attention_for`; ``None``, the model's default)."""
+    """The transformers config ``model`` names, with ``overrides`` applied
+    (:func:`~lightning_ac.estimate.overrides.apply_overrides`: dotted keys reach nested configs, an undotted key on a
+    multimodal config is its language model's). ``attention``: the attention implementation
+    (:func:`~lightning_ac.estimate.attention.attention_for`; ``None``, the model's default). A multimodal config comes
+    back as its language model's, which is what trains here."""
     from transformers import AutoConfig
 
     data = _base_config(model)
     overrides = dict(overrides)
-    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
-        data.pop("layer_types", None)
-    for key, value in overrides.items():
-        target = data
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
-            if not isinstance(target, dict):
-                raise EstimateError(f"--set {key}: {parent} is not a nested config")
-        target[leaf] = value
+    apply_overrides(data, overrides)
     model_type = data.pop("model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
         data.pop(key, None)
@@ -119,30 +113,20 @@ def load_config(model: str, overrides: Mapping[str, Any] = (), attention: Option
         field = named.group(1) if named else None
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         why = lines[-1] if lines else type(err).__name__
-        if field in overrides:
-            raise EstimateError(f"--set {field}={overrides[field]!r}: transformers rejects it ({why})") from None
+        # the key as the user gave it: "hidden_size" set on a multimodal config is text_config's, and named so
+        given = next((key for key in overrides if field is not None and key.rsplit(".", 1)[-1] == field), None)
+        if given is not None:
+            raise EstimateError(f"--set {given}={overrides[given]!r}: transformers rejects it ({why})") from None
         raise EstimateError(f"--model {model}: transformers rejects the config ({why})") from None
     if not hasattr(config, "num_hidden_layers") and hasattr(config, "get_text_config"):
         # a multimodal model's config (gemma3, llama4): its language model is what trains here
         text = config.get_text_config()
         if text is not config and hasattr(text, "num_hidden_layers"):
             config = text
-    _check_heads(config, overrides)
-    _check_layers(config)
+    check_heads(config, overrides)
+    check_layers(config)
     config._attn_implementation = attention_for(config, attention)
     return config
-
-
-def _check_heads(config: Any, overrides: Mapping[str, Any]) -> None:
-    """Key/value heads that divide the attention heads (grouped-query attention), named as the user set them."""
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
-        given = next((f"--set {k}={overrides[k]!r}" for k in ("num_key_value_heads", "num_attention_heads") if k in
-                      overrides), "the config's")  # fmt: skip
-        raise EstimateError(
-            f"{given}: {kv_heads} key/value heads do not divide {heads} attention heads (each key/value head serves a "
-            "group of query heads). Set num_key_value_heads to a divisor of num_attention_heads."
-        )
 
 
 def position_limit(model: nn.Module) -> Optional[int]:
@@ -153,16 +137,6 @@ def position_limit(model: nn.Module) -> Optional[int]:
         if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
             return module.num_embeddings - int(getattr(module, "offset", 0) or 0)
     return None
-
-
-def _check_layers(config: Any) -> None:
-    """A model with at least one decoder layer: transformers builds one with none, and every mode acts on them."""
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(layers, int) and layers < 1:
-        raise EstimateError(
-            f"--set num_hidden_layers={layers}: the model would have no decoder layer, and every mode acts on decoder "
-            "layers. Give at least 1."
-        )
 
 
 LOSSES = ("causal_lm", "last_logit_mean")
@@ -265,7 +239,8 @@ def lora_targets(config: Any, training: Training) -> List[str]:
     projections where the model has them."""
     if training.lora_targets:
         return list(training.lora_targets)
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+    with without_bitsandbytes():  # importing PEFT imports bitsandbytes, which only a 4-bit run needs
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
     found = DEFAULTS.get(config.model_type)
     if found:
@@ -287,7 +262,7 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimateError(
             f"--model {config.model_type}: transformers cannot build the model from this config "
-            f"({type(err).__name__}: {first[:300]}). Check the --set values."
+            f"({type(err).__name__}: {first[:300]}). {padding_hint(config) or 'Check the --set values.'}"
         ) from err
     if training.qlora:
         four_bit_linears(model, dtype, device, training.quant_type, training.double_quant)
@@ -296,7 +271,8 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
     if training.full_finetune:
         model.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model
+    with without_bitsandbytes():  # importing PEFT imports bitsandbytes, which only a 4-bit run needs
+        from peft import LoraConfig, get_peft_model
 
     targets: Any = lora_targets(config, training)
     if targets == ["all-linear"]:  # PEFT's own spelling, which it takes as a string only
@@ -308,7 +284,7 @@ def build_model(config: Any, dtype: torch.dtype, training: Training, device: Any
         target_modules=targets,
     )
     try:
-        with torch.device(device):
+        with torch.device(device), without_bitsandbytes():  # PEFT imports it to look for its layers
             return adapters_in(get_peft_model(model, lora), training.adapter_dtype)
     except ValueError as err:
         raise EstimateError(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_ac.estimate.errors import EstimateError
+from lightning_ac.estimate.imports import import_bitsandbytes
 
 __all__ = ["OPTIMIZERS", "OptimizerChoice", "optimizer_choice", "state_on_host"]
 
@@ -100,7 +101,7 @@ def state_on_host(optimizer: Any, key: str, value: torch.Tensor) -> bool:
 
 def _adamw_8bit() -> Type[torch.optim.Optimizer]:
     try:
-        import bitsandbytes as bnb
+        bnb = import_bitsandbytes()
     except ImportError as err:
         raise EstimateError(
             "--optimizer adamw_8bit is bitsandbytes' AdamW8bit, and bitsandbytes is not installed: "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_ac.estimate.errors import EstimateError
+from lightning_ac.estimate.imports import import_bitsandbytes
 
 __all__ = ["BLOCKSIZE", "NESTED_BLOCKSIZE", "four_bit_linears", "pack_four_bit", "prepare_for_kbit_training"]
 
@@ -34,6 +35,7 @@ def four_bit_linears(model: nn.Module, dtype: torch.dtype, device: Any, quant_ty
             "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
         )
     try:
+        import_bitsandbytes()  # first, so that its import's log lines are held (lightning_ac.estimate.imports)
         from transformers import BitsAndBytesConfig
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     except ImportError as err:  # pragma: no cover - bitsandbytes is in the tests' extra
@@ -63,6 +65,7 @@ def pack_four_bit(model: nn.Module, dtype: torch.dtype, quant_type: str = "nf4",
     estimate holds as buffers of the layer so that they are counted with the weights (bitsandbytes keeps them on the
     weight, where they are neither).
     """
+    import_bitsandbytes()
     from bitsandbytes.functional import QuantState
     from bitsandbytes.nn import Linear4bit
 
