@@ -30,7 +30,7 @@ from lightning_ac.loss.install import LOSS_ATTRIBUTES, install_chunked_loss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES
 from lightning_ac.offload.weights import LayerWeightStreamer
-from lightning_ac.plan.layer_table import layer_rows
+from lightning_ac.plan.layer_table import describe_untrained, layer_rows, untrained_layers
 from lightning_ac.plan.layers_found import no_layers_error
 from lightning_ac.plan.recompute import Recompute, cache_off_for_the_run, describe_recompute, install_recompute
 from lightning_ac.plan.strategy import check_strategy, offload_wanted, resolve_reentrant
@@ -257,9 +257,11 @@ class Plan:
                 # installed all the same (removed at teardown), but there is no backward to recompute for
                 rank_zero_info(f"{self._stage}: no backward, so nothing is recomputed and no activation is offloaded")
             return
-        if self.recompute is not None:
-            counted = f"{sum(self.recomputed)}/{len(layers.modules)} {layers.noun}"
-            parts.append(f"checkpointing {counted} ({describe_recompute(cfg, self.recompute)})")
+        if self.recompute is not None:  # what a step recomputes: not the layers of models with nothing to train
+            untrained = untrained_layers(self.module, layers, self.recomputed)
+            counted = f"{sum(self.recomputed) - sum(untrained.values())}/{len(layers.modules)} {layers.noun}"
+            how = describe_recompute(cfg, self.recompute) + describe_untrained(untrained, layers.noun)
+            parts.append(f"checkpointing {counted} ({how})")
         for extra in (self.chunked_loss, self.tiled_mlp):
             if extra is not None:
                 parts.append(extra.describe() + ("" if cfg.enabled else ", nothing recomputed"))

@@ -1,9 +1,12 @@
 """The per-layer table of an applied plan: one row per decoder layer, each part described by the engine that does
-it (the selective policy, the budget, the weight streamer, the activation-offload runtime)."""
+it (the selective policy, the budget, the weight streamer, the activation-offload runtime); and the checkpointed
+layers of models with nothing to train, which the applied line does not count as recomputed."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+from torch import nn
 
 from lightning_ac.budget import BudgetController, Choice
 from lightning_ac.layers import DecoderLayers
@@ -13,7 +16,38 @@ from lightning_ac.report import LayerRow
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.tiled_mlp.install import TiledMLP
 
-__all__ = ["layer_rows"]
+__all__ = ["describe_untrained", "layer_rows", "untrained_layers"]
+
+
+def untrained_layers(root: nn.Module, layers: DecoderLayers, recomputed: List[bool]) -> Dict[str, int]:
+    """The transformers models under ``root`` with nothing to train, by name, with how many of their decoder layers
+    are checkpointed. Nothing to train: no parameter that requires grad, in the model or in a module that wraps it
+    below ``root`` (PEFT's prompt tuning keeps its parameters in the wrapper, and gradients flow through the frozen
+    model to them). A frozen teacher or reference model is called under ``no_grad`` (transformers then skips the
+    checkpoint) or with nothing in it that requires grad: no step records its layers for a recompute."""
+    names = {id(m): name for name, m in root.named_modules()}
+    found: Dict[str, int] = {}
+    for owner, model in enumerate(layers.hf_models):
+        parts = names.get(id(model), "").split(".") if names.get(id(model)) else []
+        scopes = [root.get_submodule(".".join(parts[: depth + 1])) for depth in range(len(parts))] or [model]
+        if any(p.requires_grad for scope in scopes for p in scope.parameters()):
+            continue
+        count = sum(on for on, o in zip(recomputed, layers.owners) if o == owner)
+        if count:
+            found[".".join(parts) or type(model).__name__] = count
+    return found
+
+
+def describe_untrained(untrained: Dict[str, int], noun: str) -> str:
+    """The applied line's note on the layers :func:`untrained_layers` found, ``""`` when none."""
+    if not untrained:
+        return ""
+    models = ", ".join(repr(name) for name in untrained)
+    return (
+        f"; {sum(untrained.values())} {noun} of {models} not counted: no parameter to train there, so a step "
+        "recomputes them only where it runs them with gradients into an input that requires them (never under "
+        "no_grad)"
+    )
 
 
 def layer_rows(

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
 import lightning_ac.release_gate as release_gate
+from lightning_ac._logging import rank_zero_info
 from lightning_ac.config import ConfigError, SelectiveConfig, parse_config
 from lightning_ac.layers import DecoderLayers, compiled_layers, find_decoder_layers
 from lightning_ac.selective.policy import SelectivePolicy, StorageFactory
 
-__all__ = ["apply_selective_checkpointing", "build_policy"]
+__all__ = ["apply_selective_checkpointing", "attention_types", "build_policy"]
+
+# The policy apply_selective_checkpointing installed on each decoder layer, until its handle's remove(): a plan that
+# applies to a module holding that layer keeps it there (transformers' checkpointing, which the plan enables again,
+# would otherwise replace it without a word).
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, SelectivePolicy] = weakref.WeakKeyDictionary()
 
 
 def _module_names(root: nn.Module, layers: DecoderLayers) -> Dict[nn.Module, str]:
@@ -25,16 +32,56 @@ def _module_names(root: nn.Module, layers: DecoderLayers) -> Dict[nn.Module, str
     return names
 
 
+def attention_types(layers: DecoderLayers) -> List[Optional[str]]:
+    """Each layer's attention type, as the save rules read it: the model's ``layer_types``; where its config
+    publishes none, a ``sliding_window`` makes every layer ``sliding_attention`` (Mistral, Mixtral, Phi-3,
+    Starcoder2: transformers hands that window to every layer's attention, and SDPA keeps it in the mask, where the
+    policy cannot see it, so that without this their attention was saved under SDPA and recomputed under flash
+    attention)."""
+    types = list(layers.layer_types) or [None] * len(layers)
+    for index, layer_type in enumerate(types):
+        if layer_type is not None or not layers.hf_models or index >= len(layers.owners):
+            continue
+        config = getattr(layers.hf_models[layers.owners[index]], "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        window = getattr(config, "sliding_window", None)
+        if (
+            getattr(config, "layer_types", None) is None
+            and isinstance(window, int)
+            and window > 0
+            and getattr(config, "use_sliding_window", True) is not False
+        ):
+            types[index] = "sliding_attention"
+    return types
+
+
+def _kept(layers: DecoderLayers, config: SelectiveConfig) -> Dict[int, SelectivePolicy]:
+    """The layers whose policy :func:`apply_selective_checkpointing` installed, kept (said in one line)."""
+    kept = {index: _INSTALLED[m] for index, m in enumerate(layers.modules) if m in _INSTALLED}
+    if kept:
+        names = [layers.layers[index][0] for index in kept]
+        where = names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+        rank_zero_info(
+            f"selective: {len(kept)} {layers.noun} ({where}) keep the policy apply_selective_checkpointing installed "
+            f"on them; the block's selective rules (save: {config.save}) apply to the other {len(layers) - len(kept)}. "
+            "To apply the block's rules there too, call remove() on the handle apply_selective_checkpointing "
+            "returned before training."
+        )
+    return kept
+
+
 def build_policy(
     config: SelectiveConfig,
     root: nn.Module,
     layers: DecoderLayers,
     checkpointed: Optional[Sequence[bool]] = None,
     storage_factory: Optional[StorageFactory] = None,
+    keep_installed: bool = True,
 ) -> SelectivePolicy:
     """A policy for the decoder layers of ``root``. Under ``torch.compile`` (the layers or a module above them) the
     rules that name ops apply when the graph is traced; ``save_modules`` and ``offload.selective`` raise
-    ``ConfigError`` there."""
+    ``ConfigError`` there. With ``keep_installed``, layers that hold a policy :func:`apply_selective_checkpointing`
+    installed keep it (said in one INFO line)."""
     modules = [m for _, m in layers.layers]
     compiled = compiled_layers(root, layers).describe()
     if compiled and config.save_modules:
@@ -55,10 +102,11 @@ def build_policy(
         config,
         modules,
         _module_names(root, layers),
-        layers.layer_types,
+        attention_types(layers),
         storage_factory=storage_factory,
         diagnose_after=max(1, count),
         compiled=bool(compiled),
+        kept=_kept(layers, config) if keep_installed else None,
     )
 
 
@@ -72,6 +120,8 @@ class _AppliedPolicy:
     def remove(self) -> None:
         for layer, original in zip(self._layers, self._originals):
             layer._gradient_checkpointing_func = original
+            if _INSTALLED.get(layer) is self.policy:
+                del _INSTALLED[layer]
         self._layers, self._originals = [], []
         self.policy.remove()
 
@@ -120,13 +170,14 @@ def apply_selective_checkpointing(
             )
         originals.append(layer.__dict__.get("_gradient_checkpointing_func"))
     release_gate.ensure(["selective"])  # on a newer torch or transformers than the tested ones, before it acts
-    # the diagnostics run after one backward: one recompute per checkpointed layer, not per layer
-    policy = build_policy(
-        config, model, layers, checkpointed=[bool(getattr(m, "gradient_checkpointing", False)) for m in layers.modules]
-    )
+    # (a recompute outside a backward diagnoses after one recompute per checkpointed layer, not per layer)
+    flags = [bool(getattr(m, "gradient_checkpointing", False)) for m in layers.modules]
+    # a second call on the same layers replaces the first's policy (its context_fn is the one the partial passes)
+    policy = build_policy(config, model, layers, checkpointed=flags, keep_installed=False)
     policy.install()
     for layer in checkpointed:
         layer._gradient_checkpointing_func = functools.partial(
             layer._gradient_checkpointing_func, context_fn=policy.checkpoint_context_fn()
         )
+        _INSTALLED[layer] = policy
     return _AppliedPolicy(policy, checkpointed, originals)

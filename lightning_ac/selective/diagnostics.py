@@ -1,12 +1,13 @@
 """What a selective policy's rules did, turned into problems a user can act on: a ``save`` entry that matched no
 op, ``attention`` that ran SDPA's math backend (only its output saved), a ``save_modules`` entry whose modules never
-ran or whose saves no recompute replayed, a matmul threshold no matmul reached."""
+ran or whose saves no recompute replayed, a matmul threshold no matmul reached or whose matmuls a rule ahead of it
+saved."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional
 
-__all__ = ["math_attention", "no_match", "no_matmul_reached", "problems", "traced_problems"]
+__all__ = ["math_attention", "no_match", "no_matmul_reached", "problems", "threshold_covered", "traced_problems"]
 
 # ``policy`` below is a SelectivePolicy, read for its rules' statistics (typed Any: the policy imports this module)
 
@@ -46,6 +47,24 @@ def no_matmul_reached(min_k: Optional[int], max_k: int) -> str:
     )
 
 
+def threshold_covered(min_k: Optional[int], max_k: int) -> str:
+    """The problem of a ``save_matmul_min_k`` whose matmuls a rule ahead of it saved: it adds nothing."""
+    return (
+        f"selective.save_matmul_min_k: {min_k} saved nothing of its own: every matmul with K >= {min_k} (largest K "
+        f"seen: {max_k}) was saved by a rule ahead of it (a registered save, a save entry or save_modules), so it "
+        "adds nothing here. Remove it, or keep it for layers those rules do not cover; lowering it would save the "
+        "smaller projections too."
+    )
+
+
+def _threshold_saved_nothing(policy: Any) -> str:
+    """Why the threshold saved nothing: its matmuls were a rule's ahead of it, or none reached it."""
+    threshold, min_k = policy.threshold_rule, policy.config.save_matmul_min_k
+    if threshold.covered:
+        return threshold_covered(min_k, threshold.max_k)
+    return no_matmul_reached(min_k, threshold.max_k)
+
+
 def problems(policy: Any) -> List[str]:
     """The rules of ``policy`` that saved nothing useful so far, or less than they name, one sentence each. Under
     ``torch.compile``, what tracing tells: the rules that matched no op in the graphs traced with this policy (none
@@ -72,7 +91,7 @@ def problems(policy: Any) -> List[str]:
             )
     threshold = policy.threshold_rule
     if threshold is not None and threshold.saved == 0:
-        found.append(no_matmul_reached(policy.config.save_matmul_min_k, threshold.max_k))
+        found.append(_threshold_saved_nothing(policy))
     elif threshold is not None and threshold.replayed == 0:
         found.append(
             f"selective.save_matmul_min_k: {policy.config.save_matmul_min_k} saved {threshold.saved} matmul "
@@ -92,5 +111,5 @@ def traced_problems(policy: Any) -> List[str]:
     found = [no_match(e, "the traced graphs") for e, rule in policy.save_rules.items() if rule.matched_ops == 0]
     threshold = policy.threshold_rule
     if threshold is not None and threshold.matched_ops == 0:
-        found.append(no_matmul_reached(policy.config.save_matmul_min_k, threshold.max_k))
+        found.append(_threshold_saved_nothing(policy))
     return found

@@ -38,7 +38,8 @@ class RuleStats:
     matched_ops: int = 0  # ops that matched the rule (saved or, for sliding layers, recomputed)
     saved: int = 0  # outputs saved in forwards
     replayed: int = 0  # saved outputs that a recompute reached
-    max_k: int = 0  # save_matmul_min_k: the largest K seen
+    max_k: int = 0  # save_matmul_min_k: the largest K of any matmul seen, whichever rule took it
+    covered: int = 0  # save_matmul_min_k: matmuls with K >= min_k that a rule ahead of it saved
 
 
 @dataclass(eq=False)

@@ -56,8 +56,11 @@ class SelectivePolicy:
         layer_types: Per-layer type (``sliding_attention``...) or ``None`` entries.
         storage_factory: Builds the (forward, recompute) contexts that store saved tensors from a policy
             function; torch's ``create_selective_checkpoint_contexts`` by default.
-        diagnose_after: Run the diagnostics once this many recomputes have finished (default: one per
-            layer, i.e. one full backward).
+        diagnose_after: Where a recompute runs outside a backward (a saved tensor read by hand), run the
+            diagnostics once this many recomputes have finished (default: one per layer). In a backward they run at
+            its end, the first backward that recomputed a region of the policy.
+        kept: Per layer index, a policy that :func:`~lightning_ac.apply_selective_checkpointing` installed there
+            before: those layers' checkpointed calls get its contexts, not this policy's.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class SelectivePolicy:
         storage_factory: Optional[StorageFactory] = None,
         diagnose_after: Optional[int] = None,
         compiled: bool = False,
+        kept: Optional[Dict[int, SelectivePolicy]] = None,
     ) -> None:
         self.config = config
         self.compiled = compiled
@@ -86,6 +90,8 @@ class SelectivePolicy:
         self.traced_ops = 0  # under torch.compile: the ops the policy was asked about when the graphs were traced
         self.recomputes = 0
         self.diagnosed = False
+        self._diagnosis_queued_in = -1  # the backward (graph task id) whose end runs the first diagnostics
+        self.kept = dict(kept or {})
         self._module_names = module_names
         # For each save_modules entry, the modules whose matmuls it saves (filled by install)
         self.matched_modules: Dict[str, List[nn.Module]] = {}
@@ -100,7 +106,8 @@ class SelectivePolicy:
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
             self._handles.append(layer.register_forward_hook(self._exit_layer, always_call=True))
-        self.matched_modules = match_modules(self.layers, self.config.save_modules, self._module_names)
+        ruled = [layer for index, layer in enumerate(self.layers) if index not in self.kept]  # kept: another policy's
+        self.matched_modules = match_modules(ruled, self.config.save_modules, self._module_names)
         for entry, modules in self.matched_modules.items():
             rule = self.module_rules[entry]
             rule.modules = len(modules)
@@ -143,8 +150,8 @@ class SelectivePolicy:
     # -- the policy --------------------------------------------------------------------------------------
 
     def set_checkpointed(self, checkpointed: Sequence[bool]) -> None:
-        """Tell the policy which layers the recompute engine checkpoints: the diagnostics run once each of them
-        has been recomputed (one full backward)."""
+        """Tell the policy which layers the recompute engine checkpoints (``diagnose_after``: a recompute outside a
+        backward diagnoses once each of them has been recomputed)."""
         self.diagnose_after = max(1, sum(bool(c) for c in checkpointed))
 
     def describe_layer(self, index: int, recomputed: bool) -> Optional[str]:
@@ -152,6 +159,8 @@ class SelectivePolicy:
         recomputed."""
         if not recomputed:
             return None
+        if index in self.kept:
+            return "kept: the policy apply_selective_checkpointing installed"
         cfg = self.config
         layer_type = self.layer_types[index] if index < len(self.layer_types) else None
         parts = []
@@ -190,6 +199,8 @@ class SelectivePolicy:
     def context_fn(self) -> Tuple[Any, Any]:
         """The eager ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: one region per call."""
         layer = self._current_layer
+        if layer in self.kept:  # a policy the user installed on this layer before the plan applied
+            return self.kept[layer].context_fn()
         region = Region(layer, self.layer_types[layer] if layer is not None and layer < len(self.layer_types) else None)
         self.rules.refresh()
         region.mandatory_saves = any(entry.mandatory for entry in registered_saves())
@@ -223,6 +234,9 @@ class SelectivePolicy:
         mode of ours runs inside the compiled graph. The rules' matches are counted as they are traced (which rules
         match an op); what a recompute replays is not known there."""
         region = Region(None, None)  # one graph serves every layer of its code: no per-layer decision
+        # called when a graph is traced, the first step's or a later one's (a new length): a save registered since
+        # the last trace must reach the decisions cached by op kind, as the eager context_fn's refresh does
+        self.rules.refresh()
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             # MUST_SAVE for every rule: the partitioner takes PREFER_SAVE as a hint it may overrule. Counted: which
@@ -267,9 +281,26 @@ class SelectivePolicy:
                 if index < region.replayed_ops:
                     rule.replayed += 1
             self.recomputes += 1
-            if not self.diagnosed and self.recomputes >= self.diagnose_after:
-                self.diagnosed = True
-                self.diagnose()
+            if not self.diagnosed:
+                self._diagnose_after_this_backward()
+
+    def _diagnose_after_this_backward(self) -> None:
+        """The first backward that recomputes a region of the policy runs the diagnostics at its end, whichever
+        layers it recomputed: a frozen model's layers called under ``no_grad`` (a teacher, a reference model) record
+        nothing to recompute, and counting them made the warnings wait steps for recomputes that never come (and
+        the replay-watching mode run until then)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # not in a backward: a saved tensor read by hand
+            if self.recomputes >= self.diagnose_after:
+                self._diagnose_once()
+        elif task != self._diagnosis_queued_in:  # once per backward (one that raised never ran its callback)
+            self._diagnosis_queued_in = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._diagnose_once)
+
+    def _diagnose_once(self) -> None:
+        if not self.diagnosed:
+            self.diagnosed = True
+            self.diagnose()
 
     # -- diagnostics -------------------------------------------------------------------------------------
 

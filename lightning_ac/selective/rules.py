@@ -64,7 +64,9 @@ class OpRules:
         self.threshold_rule = (
             RuleStats(f"save_matmul_min_k: {config.save_matmul_min_k}") if config.save_matmul_min_k else None
         )
-        self.registered_rules: Dict[int, RuleStats] = {}
+        # keyed by the registered save itself, never by id(): a removed save, freed, leaves its address to the next
+        # one, which would inherit its rule (a mandatory save taken for a preferred one gets no clone)
+        self.registered_rules: Dict[RegisteredSave, RuleStats] = {}
         self.active: Counter = Counter()
         self.math_attention_calls = 0
         self._by_kind: Dict[Any, Optional[RuleStats]] = {}  # op -> its decision, for ops decided by kind alone
@@ -105,6 +107,24 @@ class OpRules:
     ) -> Tuple[Optional[RuleStats], bool]:
         """The decision, and whether the op's kind alone made it (then it holds for every call of the op)."""
         name = op_name(func)
+        rule, by_kind = self._first_rule(region, name, func, args, kwargs, count)
+        threshold = self.threshold_rule
+        if threshold is not None and rule is not threshold and is_matmul(name):
+            # a matmul a rule ahead of the threshold saved: its diagnostics count it as seen (its K), and as covered
+            # where it reaches K, so that they never advise lowering a threshold whose matmuls are saved. Each call,
+            # not each kind: the first matmul of a kind need not be the largest
+            by_kind = False
+            k = matmul_k(name, args)
+            if k is not None and rule is not None:
+                threshold.max_k = max(threshold.max_k, k)
+                threshold.covered += count and k >= (self.config.save_matmul_min_k or 0)
+        return rule, by_kind
+
+    def _first_rule(
+        self, region: Region, name: str, func: Any, args: tuple, kwargs: dict, count: bool
+    ) -> Tuple[Optional[RuleStats], bool]:
+        """The first rule, in the module docstring's order, that saves the op (or ``None``), and whether the op's
+        kind alone decided it."""
         for entry in registered_saves():
             if entry.matches(name):
                 return self._registered_rule(entry), True
@@ -144,8 +164,8 @@ class OpRules:
         return None, by_kind and not self.module_rules
 
     def _registered_rule(self, entry: RegisteredSave) -> RuleStats:
-        rule = self.registered_rules.get(id(entry))
+        rule = self.registered_rules.get(entry)
         if rule is None:
             kind = "register_mandatory_save" if entry.mandatory else "register_preferred_save"
-            rule = self.registered_rules[id(entry)] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
+            rule = self.registered_rules[entry] = RuleStats(f"{kind}: {entry.pattern}", mandatory=entry.mandatory)
         return rule
