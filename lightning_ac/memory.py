@@ -19,6 +19,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from lightning_ac.module_tracking import mod_tracker_class
+
 __all__ = ["MemoryPeak", "StepMeasurement", "first_matmuls", "measure_step", "warm_up_libraries"]
 
 
@@ -236,6 +238,8 @@ def _tracker_class() -> type:
       op).
     - A root module called twice in a step (chosen and rejected halves, R-Drop, two views) is taken for the next
       iteration and raises: its per-module statistics, which are not read here, are started again instead.
+    - Its module tracker names apart the modules of one class met outside the model's tree, and lets go of the
+      step's autograd graph at exit (:func:`lightning_ac.module_tracking.mod_tracker_class`).
     """
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -249,6 +253,8 @@ def _tracker_class() -> type:
             super().__init__()
             if inside_forward:  # module tracking cannot start inside a module's call: it is left out (see below)
                 self._mod_tracker = _NoModuleTracking()
+            else:
+                self._mod_tracker = mod_tracker_class()()
 
         def activation_now(self) -> int:
             return sum(snap.get(kind, 0) for snap in self._curr_mem_snap.values() for kind in held)
