@@ -7,8 +7,8 @@ removal leaves the model as we found it, whatever the engine touched in between.
 A copy or a pickle taken while the plan is applied (``copy.deepcopy``: a best-model snapshot, a teacher made in
 ``on_fit_start``; ``torch.save``, EMA and checkpointing code that pickles modules) is of the model as found: our
 wrappers are closures over the live modules (a copied wrapper would compute with the live model's weights, during the
-run and after it, and cannot be pickled), and what we set on shared objects for the run (a model config's
-``use_cache``) is run state. Each module we touched gives a copy its state as found (:class:`_StateAsFound`).
+run and after it, and cannot be pickled). Each module we touched gives a copy its state as found
+(:class:`_StateAsFound`).
 
 That state is given through the module's own ``__getstate__``, which both ``copy.deepcopy`` and pickle read from the
 instance. Not ``__deepcopy__``: ``nn.Module`` has none, so a wrapper that forwards unknown attributes to the model it
@@ -18,7 +18,6 @@ wraps (PEFT's models, ``torch.compile``'s ``OptimizedModule``) would find the wr
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, Iterable, List, Tuple
 
 from torch import nn
@@ -65,8 +64,6 @@ class ModuleJournal:
         self._hooks: List[Dict[str, Tuple[Any, ...]]] = [
             {d: tuple(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in self._modules
         ]
-        self._settings: List[Tuple[Any, str, Any, Any]] = []  # (target, name, before, ours): set_for_the_run
-        self._as_found_objects: Dict[int, Tuple[Any, Any]] = {}  # id(target): (target, its stand-in in copies)
 
     def commit(self) -> None:
         """Record what was installed since the snapshot as ours. From now on :meth:`restore` removes only that,
@@ -90,21 +87,12 @@ class ModuleJournal:
         self._committed = True
         self._give_state_as_found()
 
-    def set_for_the_run(self, target: Any, name: str, value: Any) -> None:
-        """Set ``target.<name> = value`` for the run, on an object modules share (a model config's ``use_cache``):
-        :meth:`restore` puts it back, and a copy or a pickle of a module that holds ``target`` gets it as found.
-        Called before :meth:`commit`."""
-        self._settings.append((target, name, getattr(target, name), value))
-        self._as_found_objects.setdefault(id(target), (target, copy.copy(target)))
-        setattr(target, name, value)
-
     def _give_state_as_found(self) -> None:
-        """Each module we touched, or that holds an object set for the run, gives copies and pickles its state as
-        found (restored with the rest). A module whose class copies itself its own way keeps its way."""
+        """Each module we touched gives copies and pickles its state as found (restored with the rest). A module whose
+        class copies itself its own way keeps its way."""
         for index, module in enumerate(self._modules):
             touched = self._ours_attrs[index] or any(self._ours_hooks[index].values())
-            holds = any(id(value) in self._as_found_objects for value in module.__dict__.values())
-            if not (touched or holds) or any(way in vars(type(module)) for way in _OWN_WAYS):
+            if not touched or any(way in vars(type(module)) for way in _OWN_WAYS):
                 continue
             self._attrs[index][STATE_AS_FOUND] = module.__dict__.get(STATE_AS_FOUND, _MISSING)
             self._ours_attrs[index][STATE_AS_FOUND] = module.__dict__[STATE_AS_FOUND] = _StateAsFound(self, index)
@@ -112,8 +100,7 @@ class ModuleJournal:
     def as_found(self, index: int) -> Dict[str, Any]:
         """The state of the ``index``-th module recorded, as its class gives it to a copy (``__getstate__``: torch
         leaves out a compiled call, Lightning the trainer), without the attributes and hooks we installed: the
-        attributes as they were before (where they still hold ours), the hook registries less ours, the objects set
-        for the run as found."""
+        attributes as they were before (where they still hold ours), the hook registries less ours."""
         module = self._modules[index]
         state = dict(type(module).__getstate__(module))
         before, ours = self._attrs[index], self._ours_attrs[index]
@@ -128,29 +115,12 @@ class ModuleJournal:
             registry = state.get(dict_name)
             if registry is not None and keys:
                 state[dict_name] = type(registry)((k, v) for k, v in registry.items() if k not in keys)
-        return {name: self._object_as_found(value) for name, value in state.items()}
-
-    def _object_as_found(self, value: Any) -> Any:
-        """``value``, or where it is an object set for the run, its stand-in: one object per target (so the modules
-        of a copy still share one config), refreshed from the target now, with the settings as found."""
-        if id(value) not in self._as_found_objects:
-            return value
-        target, stand_in = self._as_found_objects[id(value)]
-        stand_in.__dict__.clear()
-        stand_in.__dict__.update({k: self._object_as_found(v) for k, v in target.__dict__.items()})
-        for setting, name, before, _ in self._settings:
-            if setting is target:
-                setattr(stand_in, name, before)
-        return stand_in
+        return state
 
     def restore(self) -> None:
         """Put back what we changed: after :meth:`commit`, only our hooks and the attributes we set (where they
         still hold our value); before it (a failed apply), everything changed since the snapshot."""
         committed = getattr(self, "_committed", False)
-        for target, name, before, ours in reversed(self._settings):
-            if not committed or getattr(target, name) is ours:
-                setattr(target, name, before)
-        self._settings, self._as_found_objects = [], {}
         for index, (module, attrs, hooks) in enumerate(zip(self._modules, self._attrs, self._hooks)):
             for name, value in attrs.items():
                 if committed:

@@ -6,14 +6,14 @@ loss only in training forwards. ``from_pretrained`` returns models in eval mode,
 of submodules as it finds them, so a model loaded that way would train with none of it, while the applied line says
 otherwise. The step stops instead, naming the cause, the model and the fix.
 
-What counts is what a training step would lose: a recomputed layer whose forward records a graph (gradients enabled,
-and a parameter or an input that needs a gradient), or a chunked-loss model computing a loss from ``labels``, called in
-eval mode inside the LightningModule's ``training_step``. A frozen reference model or teacher in eval mode beside a
-policy in training mode (DPO, distillation, RLHF) is left alone, under ``no_grad`` or not; so is a callback's own
-forward and backward outside the step (a gradient probe), and a module that calls ``.train()`` in its own training
-step: the modes are read at the call, not at the batch's start. Under ``torch.compile`` the hooks are traced, not
-run, so a compiled model is checked once, eagerly, as its first training step begins: what is in eval mode then and
-has parameters to train.
+What counts is what a training step would lose: a recomputed layer whose forward records a graph (gradients enabled, and
+a parameter or an input that needs a gradient), or a chunked-loss model computing a loss with a graph from ``labels``,
+called in eval mode inside the LightningModule's ``training_step``. A frozen reference model or teacher in eval mode
+beside a policy in training mode (DPO, distillation, RLHF) is left alone, under ``no_grad`` or not; so is a callback's
+own forward and backward outside the step (a gradient probe), and a module that calls ``.train()`` in its own training
+step: the modes are read at the call, not at the batch's start. Under ``torch.compile`` the hooks are traced, not run,
+so a compiled model is checked once, eagerly, as its first training step begins: what is in eval mode then and has
+parameters to train.
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ class TrainModeGuard:
         return hook
 
     def _model_hook(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
-        if self._reached(module) and _labels(module, args, kwargs) is not None:
+        if not self._reached(module) or _labels(module, args, kwargs) is None:
+            return
+        if _trains(module) or _needs_grad(args, kwargs):  # a loss with a graph (a frozen teacher's has none)
             self._raise_for_loss(module)
 
     def _raise_for_loss(self, model: nn.Module) -> None:

@@ -567,15 +567,26 @@ def test_validate_says_nothing_is_recomputed(llama, caplog):
     assert "checkpointing 4/4" not in caplog.text
 
 
-def test_the_kv_cache_is_off_for_a_checkpointed_run_and_back_after(llama):
-    """transformers turns the cache off under checkpointing anyway, with a warning per run; the config says so for
-    the run instead, and is as it was after it."""
+class CacheLM(LM):
+    """Records whether its training forward built a KV cache, and what its config said then."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch[0], labels=batch[0])
+        self.seen = (out.past_key_values, self.model.config.use_cache)
+        return out.loss
+
+
+def test_the_kv_cache_is_off_in_a_checkpointed_training_forward_and_the_config_untouched(llama, caplog):
+    """transformers turns the cache off under checkpointing anyway, with a warning per run; each training forward is
+    called with use_cache=False instead (no cache built, no warning), and the config is never touched: a copy, a
+    pickle or a save_pretrained during the run has it as found."""
     assert llama.config.use_cache is True
-    seen = []
-    probe = pl.Callback()
-    probe.on_train_batch_start = lambda trainer, module, batch, batch_idx: seen.append(module.model.config.use_cache)
-    fit(llama, [ActivationCheckpointing(), probe])
-    assert seen == [False] and llama.config.use_cache is True
+    module = fit(llama, [ActivationCheckpointing()], module_cls=CacheLM)
+    assert module.seen == (None, True), "no cache built in the training forward; the config as found"
+    assert "use_cache=True` is incompatible" not in caplog.text and "Caching is incompatible" not in caplog.text
+    assert llama.config.use_cache is True
+    llama.eval()
+    assert llama(input_ids=torch.randint(0, 100, (1, 4))).past_key_values is not None, "evaluation keeps its cache"
 
 
 class PackedLM(LM):

@@ -62,7 +62,6 @@ def test_copies_of_the_wrappers_are_the_wrappers_as_found():
 def test_a_copy_and_a_pickle_get_the_config_as_found():
     def take(module):
         live = module.model.base_model.model
-        assert live.config.use_cache is False, "the run turns the cache off (else this test could not tell)"
         buffer = io.BytesIO()
         torch.save(live, buffer)
         buffer.seek(0)

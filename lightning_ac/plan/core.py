@@ -30,6 +30,7 @@ from lightning_ac.loss.install import LOSS_ATTRIBUTES, install_chunked_loss
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import COMPILED_CALL_ATTRIBUTES
 from lightning_ac.offload.weights import LayerWeightStreamer
+from lightning_ac.offload.weights.conversions import CONVERSION_ATTRIBUTES
 from lightning_ac.plan.layer_table import describe_untrained, layer_rows, untrained_layers
 from lightning_ac.plan.layers_found import no_layers_error
 from lightning_ac.plan.recompute import Recompute, cache_off_for_the_run, describe_recompute, install_recompute
@@ -50,7 +51,12 @@ __all__ = ["Plan"]
 
 # the module attributes a plan may set, recorded before it applies: put back at removal, left out of a copy
 JOURNALED_ATTRIBUTES = (
-    HF_ATTRIBUTES + TORCH_ATTRIBUTES + COMPILED_CALL_ATTRIBUTES + LOSS_ATTRIBUTES + (DDP_IGNORE, "training_step")
+    HF_ATTRIBUTES
+    + TORCH_ATTRIBUTES
+    + COMPILED_CALL_ATTRIBUTES
+    + LOSS_ATTRIBUTES
+    + CONVERSION_ATTRIBUTES
+    + (DDP_IGNORE, "training_step")
 )
 
 
@@ -229,7 +235,7 @@ class Plan:
                     head_chunks=lambda: self.chunked_loss.last_chunks if self.chunked_loss is not None else None,
                 )
                 if self._fitting:
-                    cache_off_for_the_run(layers, self._journal)
+                    cache_off_for_the_run(layers)
             if self._fitting:
                 self.chunked_loss = install_chunked_loss(cfg.chunked_loss, layers)
                 self.tiled_mlp = install_tiled_mlp(cfg.tiled_mlp, layers)

@@ -20,19 +20,29 @@ __all__ = ["describe_untrained", "layer_rows", "untrained_layers"]
 
 
 def untrained_layers(root: nn.Module, layers: DecoderLayers, recomputed: List[bool]) -> Dict[str, int]:
-    """The transformers models under ``root`` with nothing to train, by name, with how many of their decoder layers
-    are checkpointed. Nothing to train: no parameter that requires grad, in the model or in a module that wraps it
-    below ``root`` (PEFT's prompt tuning keeps its parameters in the wrapper, and gradients flow through the frozen
-    model to them). A frozen teacher or reference model is called under ``no_grad`` (transformers then skips the
-    checkpoint) or with nothing in it that requires grad: no step records its layers for a recompute."""
+    """The checkpointed decoder layers that no step records a graph in, by their model's name: a step recomputes a
+    layer only where its forward records one (a parameter of it, or of what runs before it, requires grad). Of each
+    transformers model, the layers before the first that trains, unless something before the layers trains: a
+    parameter outside the layers and the output head, in the model or in a module that wraps it below ``root``
+    (trained embeddings, a vision tower, PEFT's prompt tuning: gradients flow through every layer to them). So a
+    frozen teacher or reference model has all its layers here, a head-only fine-tune all, LoRA on the last layers
+    the ones before them."""
     names = {id(m): name for name, m in root.named_modules()}
     found: Dict[str, int] = {}
     for owner, model in enumerate(layers.hf_models):
         parts = names.get(id(model), "").split(".") if names.get(id(model)) else []
         scopes = [root.get_submodule(".".join(parts[: depth + 1])) for depth in range(len(parts))] or [model]
-        if any(p.requires_grad for scope in scopes for p in scope.parameters()):
-            continue
-        count = sum(on for on, o in zip(recomputed, layers.owners) if o == owner)
+        own = [i for i, o in enumerate(layers.owners) if o == owner]
+        in_layers = {id(p) for i in own for p in layers.modules[i].parameters()}
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        after = {id(p) for p in head.parameters()} if head is not None else set()
+        after -= {id(p) for p in embeddings.parameters()} if embeddings is not None else set()  # tied: it feeds
+        trains = [p for scope in scopes for p in scope.parameters() if p.requires_grad]
+        if any(id(p) not in in_layers and id(p) not in after for p in trains):
+            continue  # something before the layers trains: every layer records a graph
+        training = [k for k, i in enumerate(own) if any(p.requires_grad for p in layers.modules[i].parameters())]
+        count = sum(recomputed[i] for i in own[: training[0] if training else len(own)])
         if count:
             found[".".join(parts) or type(model).__name__] = count
     return found
@@ -44,9 +54,9 @@ def describe_untrained(untrained: Dict[str, int], noun: str) -> str:
         return ""
     models = ", ".join(repr(name) for name in untrained)
     return (
-        f"; {sum(untrained.values())} {noun} of {models} not counted: no parameter to train there, so a step "
-        "recomputes them only where it runs them with gradients into an input that requires them (never under "
-        "no_grad)"
+        f"; {sum(untrained.values())} {noun} of {models} not counted: nothing to train in them or before them, "
+        "so a step records no graph there to recompute (a frozen model's, or those before the first layer that "
+        "trains)"
     )
 
 

@@ -4,8 +4,9 @@ switches), and the rules that keep compiled layers compiled. What was installed 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch._dynamo.config
@@ -18,7 +19,6 @@ from lightning_ac.budget.first_plan import check_first_plan
 from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.packed import notice_for
 from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError
-from lightning_ac.journal import ModuleJournal
 from lightning_ac.layers import CompiledModules, DecoderLayers, compiled_layers
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import checkpointed_inside_too, compiled_call, offload_inputs_of_compiled_layer
@@ -265,20 +265,41 @@ def describe_recompute(config: ActivationCheckpointingConfig, done: Recompute) -
     return ", ".join(parts)
 
 
-def cache_off_for_the_run(layers: DecoderLayers, journal: ModuleJournal) -> None:
-    """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every
-    run whose model config asks for the cache: the configs say use_cache=False for the run instead (put back
-    at removal, and as found in a copy or a pickle taken during the run: the journal's), so the log keeps to what a
-    user should read. Without a cache transformers masks packed documents apart: a packed batch is said
-    (:mod:`lightning_ac.checkpoint.packed`).
+def cache_off_for_the_run(layers: DecoderLayers) -> None:
+    """transformers turns the KV cache off in a checkpointed training forward anyway, with a warning in every run
+    whose model config asks for the cache: each transformers model that takes ``use_cache`` is called with
+    ``use_cache=False`` in training forwards instead, where the call does not say (a pre-hook, removed with the plan's
+    other hooks), so the log keeps to what a user should read. The config is not touched: a copy, a pickle or a
+    ``save_pretrained`` during the run has it as found, and evaluation and generation keep the cache. Without a cache
+    transformers masks packed documents apart: a packed batch is said (:mod:`lightning_ac.checkpoint.packed`).
 
     Args:
         layers: The decoder layers found (their transformers models).
-        journal: The plan's journal, which sets each config for the run.
     """
+    if not layers.hf_models:
+        return
+    from transformers import PreTrainedModel  # hf_models holds some: transformers is there
+
     for model in layers.hf_models:
+        if getattr(getattr(model, "config", None), "use_cache", False) is not True:
+            continue
+        # the model and the models inside it (its decoder, a multimodal model's language model), called on their own
         for module in model.modules():
-            config = getattr(module, "config", None)
-            if getattr(config, "use_cache", False) is True:
-                journal.set_for_the_run(config, "use_cache", False)
-                notice_for(module)  # packed batches are masked otherwise without the cache: said once
+            if isinstance(module, PreTrainedModel) and _takes_use_cache(module):
+                module.register_forward_pre_hook(_cache_off_in_training, with_kwargs=True)
+        notice_for(model)  # packed batches are masked otherwise without the cache: said once
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    """``module.forward`` has a ``use_cache`` parameter."""
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _cache_off_in_training(module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> Any:
+    """``use_cache=False`` for a training forward with gradients that does not say (a call's own value stands)."""
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None

@@ -11,7 +11,10 @@ from torch import nn
 
 from lightning_ac.offload.weights.slots import StreamedLayer
 
-__all__ = ["ConversionGuard"]
+__all__ = ["CONVERSION_ATTRIBUTES", "ConversionGuard"]
+
+# what the guard sets on a streamed submodule (the plan's journal records it: a copy or a pickle leaves it out)
+CONVERSION_ATTRIBUTES = ("_apply",)
 
 
 class ConversionGuard:
