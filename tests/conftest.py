@@ -218,6 +218,20 @@ def _capture_suite_log(caplog):
     caplog.set_level("INFO", logger="lightning_ac")
 
 
+@pytest.fixture(autouse=True)
+def _no_dispatch_mode_left():
+    """A test whose step raised between ``on_before_backward`` and ``on_after_backward`` (a callback raising there:
+    Lightning calls the callbacks' hook before the module's) leaves :class:`LM`'s :class:`OpCounter` entered; every
+    later test in the process would run under it, and dynamo runs nothing compiled under a dispatch mode (a compiled
+    layer's backward graph never traced). What a test leaves on the stack is exited after it."""
+    yield
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, OpCounter):
+            mode.__exit__(None, None, None)
+
+
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
