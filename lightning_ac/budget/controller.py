@@ -32,7 +32,7 @@ nothing fits) :mod:`lightning_ac.budget.report`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from lightning_ac.budget.report import BudgetReport
 from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.budget.state import SavedPlan
 from lightning_ac.budget.switch import LayerSwitch
+from lightning_ac.budget.tools import BudgetTools
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
@@ -60,7 +61,7 @@ MAX_CORRECTIONS = 4
 SLACK = 0.01
 
 
-class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
+class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools):
     """Decides, step by step until it settles, which decoder layers keep their activations under a memory budget.
 
     Args:
@@ -74,9 +75,9 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
             rules, where that measures faster than recomputing it whole.
         layer_types: Each layer's attention type (``sliding_attention``...), where the model says: the save rules'
             measured cost in one layer stands for the layers of its type until they are measured themselves.
-        head_chunks: When the chunked loss runs, what its last call did: ``(tokens a chunk, tokens)``, or ``None``
-            before any. Where it ran as one chunk and the head holds a large share of the peak, the nothing-fits
-            advice names ``chunk_tokens``.
+        tools: The chunked loss and the tiled MLP, where installed, in the order the budget turns on those the block
+            leaves to it (:class:`~lightning_ac.budget.tools.BudgetTools`). Where the chunked loss ran as one chunk
+            and the head holds a large share of the peak, the nothing-fits advice names ``chunk_tokens``.
     """
 
     def __init__(
@@ -89,10 +90,11 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
         noun: str = "decoder layers",
         policy: Optional[SelectivePolicy] = None,
         layer_types: Optional[Sequence[Optional[str]]] = None,
-        head_chunks: Optional[Callable[[], Optional[Tuple[int, int]]]] = None,
+        tools: Optional[Callable[[], Sequence[Any]]] = None,
     ) -> None:
         self.settings = settings
-        self.head_chunks = head_chunks
+        self.tools = tools or (lambda: ())  # type: ignore[method-assign]
+        self.turned_on: List[str] = []  # the tools turned on, in order
         self.budget_bytes: Optional[int] = settings.budget_bytes
         self.device = device
         self.noun = noun
@@ -144,17 +146,6 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
     @property
     def settled(self) -> bool:
         return self.phase == SETTLED
-
-    @property
-    def full_seconds(self) -> float:
-        """The estimated recompute time of every layer recomputed, from the figures the plan holds now."""
-        return sum(f.recompute_seconds for f in self.figures or [])
-
-    @property
-    def estimated_peak(self) -> Optional[int]:
-        if self.figures is None:
-            return None
-        return self._estimate(self.choices, self.calibration)[0]
 
     @property
     def wants_fake_step(self) -> bool:
@@ -212,7 +203,7 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
             self._split_head(peak)
             self.phase = CHECK  # the step's peak checks "every layer recomputed" like any other choice
             self._check(peak, first=True, measuring=True)
-            if fake:  # an estimate: the first real step checks the plan it made, whatever it chose
+            if fake and self.phase != MEASURE:  # an estimate: the first real step checks the plan it made
                 self.phase, self._estimated = CHECK, True
             return
         if readings is not None and self._rescaled_from is not None:
@@ -288,10 +279,17 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport):
         self.calibration = max(self._calibrations.values())
         everything = [Choice.recompute] * len(choices)
         if over and choices == everything and not first:
+            if self._turn_on_a_tool(
+                f"the step's activation peak {format_bytes(peak)} is over the budget with every "
+                f"{self.noun[:-1]} recomputed"
+            ):
+                return
             self._settle()
             self._warn_over(peak, "with every layer recomputed")
             return
         plan = self._choose_new()
+        if not plan.fits and self._turn_on_a_tool(f"by the figures, every {self.noun[:-1]} recomputed is over"):
+            return
         if not over and list(plan.choices) == choices:
             self._settle()
             return

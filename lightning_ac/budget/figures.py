@@ -34,6 +34,17 @@ class FigureBook:
     choices: List[Choice]
     settings: BudgetSettings
 
+    @property
+    def full_seconds(self) -> float:
+        """The estimated recompute time of every layer recomputed, from the figures the plan holds now."""
+        return sum(f.recompute_seconds for f in self.figures or [])
+
+    @property
+    def estimated_peak(self) -> Optional[int]:
+        if self.figures is None:
+            return None
+        return self._estimate(self.choices, self.calibration)[0]
+
     def before_backward(self) -> None:
         """At backward's start, in the measuring step: the peak since the last layer's forward is the output head's
         forward's, and the peak from here to the layers its backward's."""

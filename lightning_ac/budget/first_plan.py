@@ -110,14 +110,16 @@ def plan_from_fake_step(controller: Any, pl_module: pl.LightningModule, batch: A
     ``controller`` make its first plan from it.
 
     Returns:
-        Whether the plan was made; ``False`` when the step could not run on fake tensors (warned): then the first
-        real step measures, as with ``budget_first_plan: measure``.
+        Whether the plan was made; ``False`` when the step could not run on fake tensors (warned), or when it turned
+        on a tool the block leaves to the budget (said: :mod:`lightning_ac.budget.tools`): then the first real step
+        measures, as with ``budget_first_plan: measure``.
     """
     from torch.nn.utils.stateless import _reparametrize_module
 
     from lightning_ac.fake import fake_mode, fake_session, patched
 
     shape = _batch_shape(batch)
+    tools_before = len(controller.turned_on)
     try:
         with fake_session():
             fake = fake_mode()
@@ -146,6 +148,13 @@ def plan_from_fake_step(controller: Any, pl_module: pl.LightningModule, batch: A
             f"{first[:300]}), so the first step measures instead (every layer recomputed). An op with no fake "
             "implementation needs torch.library.register_fake; a step that reads a tensor's value (loss.item(), "
             "control flow on data) cannot run on fake tensors."
+        )
+        return False
+    turned_on = controller.turned_on[tools_before:]
+    if turned_on:  # said here: the session keeps the suite's log quiet while the fake step runs
+        rank_zero_info(
+            f"budget: by the training step on fake tensors at {shape}, every {controller.noun[:-1]} recomputed is over "
+            f"the budget: turning {' and '.join(turned_on)} on; the first step measures again, every layer recomputed"
         )
         return False
     line = controller.plan_line()

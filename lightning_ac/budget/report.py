@@ -35,7 +35,7 @@ class BudgetReport:
         is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
         ways = []
         big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
-        chunks = self.head_chunks() if self.head_chunks is not None else None
+        chunks = next((t.last_chunks for t in self.tools() if t.name == "chunked_loss"), None)
         if self.settings.head_chunkable and big_head:
             ways.append(
                 f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"

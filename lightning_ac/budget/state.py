@@ -36,6 +36,7 @@ class SavedPlan:
             "figures": [dataclasses.asdict(f) for f in self.figures] if self.figures is not None else None,
             "choices": [c.value for c in self.choices],
             "settled": self.settled,
+            "turned_on": list(self.turned_on),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -50,8 +51,19 @@ class SavedPlan:
                 "again"
             )
             return
+        tools = {t.name: t for t in self.tools() if t.budget_decides}
+        if any(name not in tools for name in state.get("turned_on", [])):
+            rank_zero_info(
+                f"budget: the checkpoint's plan was made with {', '.join(state['turned_on'])} on, which this run does "
+                "not leave to the budget: measuring again"
+            )
+            return
+        for name in state.get("turned_on", []):
+            tools[name].active = True  # what was over the budget without it stays so: on from the first step
+        self.turned_on = list(state.get("turned_on", []))
         if not state.get("settled") or state.get("figures") is None:
             return  # saved before it settled: measuring again costs one step
+
         self.budget_bytes = state["budget_bytes"]
         self.figures = [LayerFigures(**f) for f in state["figures"]]
         self.tokens = int(state["tokens"])

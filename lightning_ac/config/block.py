@@ -103,15 +103,23 @@ def _parse_selective(value: Any) -> Optional[SelectiveConfig]:
 
 
 def parse_chunked_loss(value: Any, name: str = "activation_checkpointing.chunked_loss") -> Optional[ChunkedLossConfig]:
-    """The ``chunked_loss`` field: ``false``/``None`` (off), ``true`` (``chunk_tokens: auto``) or a mapping
-    ``{chunk_tokens: N}``."""
+    """The ``chunked_loss`` field: ``false``/``None`` (off), ``true`` (``chunk_tokens: auto``), ``auto`` (on where the
+    memory budget needs it) or a mapping ``{chunk_tokens: N | auto, budget_decides: true | false}``."""
     example = "Write chunked_loss: true (chunk_tokens: auto), or chunked_loss: {chunk_tokens: 512}."
+    if _is_auto(value):
+        return ChunkedLossConfig(budget_decides=True)
     value = parse_switch_or_mapping(value, name, ChunkedLossConfig, example)
     if not isinstance(value, Mapping):
         return value
     reject_unknown(value, CHUNKED_LOSS_FIELDS, name)
     fix = "It counts the tokens whose logits exist at once, e.g. 512; or write auto (the default)."
-    return ChunkedLossConfig(chunk_tokens=_tokens_or_auto(value, "chunk_tokens", name, fix))
+    decides = parse_bool(value.get("budget_decides", False), f"{name}.budget_decides")
+    return ChunkedLossConfig(chunk_tokens=_tokens_or_auto(value, "chunk_tokens", name, fix), budget_decides=decides)
+
+
+def _is_auto(value: Any) -> bool:
+    """``auto`` as the whole field: on where the memory budget needs it."""
+    return isinstance(value, str) and value.strip().lower() == AUTO
 
 
 def _tokens_or_auto(value: Mapping, key: str, name: str, fix: str) -> Any:
@@ -124,9 +132,12 @@ def _tokens_or_auto(value: Mapping, key: str, name: str, fix: str) -> Any:
 
 
 def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp") -> Optional[TiledMLPConfig]:
-    """The ``tiled_mlp`` field: ``false``/``None`` (off), ``true`` (``tile_tokens: auto``) or a mapping
-    ``{tile_tokens: N | auto, norms: true | false, mlp_modules: [NAME, ...]}``."""
+    """The ``tiled_mlp`` field: ``false``/``None`` (off), ``true`` (``tile_tokens: auto``), ``auto`` (on where the
+    memory budget needs it) or a mapping
+    ``{tile_tokens: N | auto, norms: true | false, mlp_modules: [NAME, ...], budget_decides: true | false}``."""
     example = "Write tiled_mlp: true (tile_tokens: auto), or tiled_mlp: {tile_tokens: 4096}."
+    if _is_auto(value):
+        return TiledMLPConfig(budget_decides=True)
     value = parse_switch_or_mapping(value, name, TiledMLPConfig, example)
     if not isinstance(value, Mapping):
         return value
@@ -144,7 +155,8 @@ def parse_tiled_mlp(value: Any, name: str = "activation_checkpointing.tiled_mlp"
         mlp_modules = [m.strip() for m in mlp_modules]
     fix = "It counts the tokens whose MLP intermediates exist at once, e.g. 4096; or write auto (the default)."
     tokens = _tokens_or_auto(value, "tile_tokens", name, fix)
-    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules)
+    decides = parse_bool(value.get("budget_decides", False), f"{name}.budget_decides")
+    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules, budget_decides=decides)
 
 
 def _parse_kwargs(value: Any) -> Dict[str, Any]:

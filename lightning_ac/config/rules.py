@@ -51,6 +51,14 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
             "first plan comes from, but budget is not set. Set budget (e.g. budget: 20GiB), or remove "
             "budget_first_plan."
         )
+    for field_name in ("chunked_loss", "tiled_mlp"):
+        if getattr(getattr(cfg, field_name), "budget_decides", False) and cfg.budget is None:
+            raise ConfigError(
+                f"activation_checkpointing.{field_name}.budget_decides: true (also what {field_name}=auto sets) "
+                "turns it on where the memory budget needs it, but budget is not set (or enabled is false, which "
+                f"sets none). Set budget (e.g. budget: 20GiB, or auto on an accelerator), or budget_decides: false "
+                f"({field_name}: true) to have it on in every step, with the sizes you gave."
+            )
     if cfg.budget is not None and "every_n_layers" in cfg.kwargs:
         raise ConfigError(
             f"activation_checkpointing.budget: {cfg.budget!r} chooses which decoder layers are recomputed, and so "

@@ -94,9 +94,14 @@ class ChunkedLossConfig:
             head's working set stays about the size of one layer's input, and stops growing with the sequence. A
             chunk's working set is about ``chunk_tokens x vocabulary`` float32 logits and their gradient; fewer tokens
             hold less and run more, smaller matmuls, each reading the head's whole weight.
+        budget_decides: On only where the memory budget needs it (``chunked_loss: auto``, or ``budget_decides: true``
+            beside ``chunk_tokens``; needs ``budget``): off until a step that recomputes every decoder layer is over
+            the budget (measured, or by the figures), then on, and the step measured again
+            (:mod:`lightning_ac.budget.tools`).
     """
 
     chunk_tokens: Any = AUTO
+    budget_decides: bool = False
 
 
 @dataclass
@@ -114,11 +119,14 @@ class TiledMLPConfig:
         mlp_modules: Each decoder layer's MLP, by name or glob relative to the layer (``[ffn]``,
             ``["*.feed_forward"]``), for layers that do not hold it as ``mlp``; ``None`` (the default): the layer's
             ``mlp``, as in every transformers model.
+        budget_decides: On only where the memory budget needs it (``tiled_mlp: auto``; needs ``budget``), as
+            ``chunked_loss: auto``; the budget turns the chunked loss on first.
     """
 
     tile_tokens: Any = AUTO
     norms: bool = True
     mlp_modules: Optional[List[str]] = None
+    budget_decides: bool = False
 
 
 @dataclass

@@ -108,10 +108,16 @@ class ChunkedLoss:
     Args:
         chunk_tokens: Tokens per chunk, or ``"auto"`` (:func:`auto_chunk_tokens`, per call).
         models: The transformers causal-LM models (each checked by :meth:`check`).
+        budget_decides: Off until the memory budget turns it on (``chunked_loss: auto``): installed and checked all
+            the same, each model computing its loss as it does meanwhile.
     """
 
-    def __init__(self, chunk_tokens: Any, models: Sequence[nn.Module]) -> None:
+    name = "chunked_loss"
+
+    def __init__(self, chunk_tokens: Any, models: Sequence[nn.Module], budget_decides: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
+        self.budget_decides = budget_decides
+        self.active = not budget_decides  # the budget turns it on where its step needs it
         self._models = [_Model(model, self.check(model)) for model in models]
         self._said_no_labels = False
         self.chunked_calls = 0  # training forwards whose loss was chunked
@@ -222,6 +228,8 @@ class ChunkedLoss:
             tokens = f"chunks of logits the size of the final hidden states (at least {MIN_AUTO_CHUNK_TOKENS} tokens)"
         else:
             tokens = f"{self.chunk_tokens} tokens at a time"
+        if not self.active:
+            return f"loss chunked where the budget needs it ({tokens} through {heads}; not so far)"
         return f"loss chunked: {tokens} through {heads} (training forwards with labels return logits=None)"
 
     # -- the replacements -----------------------------------------------------------------------------------
@@ -234,6 +242,7 @@ class ChunkedLoss:
             if labels is None and args:
                 labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
             training = module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            training = training and self.active
             if training and labels is None and not self._said_no_labels:
                 self._said_no_labels = True
                 rank_zero_warn(
@@ -361,6 +370,6 @@ def install_chunked_loss(config: Any, layers: Any) -> Optional[ChunkedLoss]:
             "...ForCausalLM with an lm_head and a loss_function), whose loss the chunks compute. Set chunked_loss: "
             "false, or compute your own loss in chunks."
         )
-    chunked = ChunkedLoss(config.chunk_tokens, layers.hf_models)
+    chunked = ChunkedLoss(config.chunk_tokens, layers.hf_models, config.budget_decides)
     chunked.install()
     return chunked

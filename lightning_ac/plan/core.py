@@ -232,7 +232,7 @@ class Plan:
                     self.activation_offload,
                     layer_offloading=self.layer_offload_request is not None,
                     on_budget_change=self._budget_changed,
-                    head_chunks=lambda: self.chunked_loss.last_chunks if self.chunked_loss is not None else None,
+                    tools=lambda: [t for t in (self.chunked_loss, self.tiled_mlp) if t is not None],
                 )
                 if self._fitting:
                     cache_off_for_the_run(layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch._dynamo.config
@@ -70,7 +70,7 @@ def install_recompute(
     *,
     layer_offloading: bool,
     on_budget_change: Callable[[List[Choice]], None],
-    head_chunks: Callable[[], Optional[int]],
+    tools: Callable[[], Sequence[Any]],
 ) -> None:
     """Checkpoint the decoder layers with the engine ``config`` names, and the policy and checkpoint function the
     other parts of the plan ask for.
@@ -85,7 +85,9 @@ def install_recompute(
         activation_offload: The activation-offload runtime, if installed (its checkpoint wrapper, its SAC storage).
         layer_offloading: Whether layer offloading streams the frozen weights (the budget's first plan checks it).
         on_budget_change: Called with the budget's new choices whenever it chooses again.
-        head_chunks: The chunked loss's latest chunk count, if it runs (the budget's advice reads it).
+        tools: The chunked loss and the tiled MLP, where installed (installed after this: read when the budget
+            needs them), for the budget to turn on where the block leaves them to it (its advice reads the chunked
+            loss's latest chunk count).
 
     The caller removes the selective policy and the budget; the module's journal puts back the attributes the engines
     set.
@@ -140,7 +142,7 @@ def install_recompute(
             noun=layers.noun,
             policy=done.selective,
             layer_types=layers.layer_types,
-            head_chunks=head_chunks,
+            tools=tools,
         )
         switches = done.budget.switches
     settings = CheckpointSettings(config.checkpoint_kwargs, config.every_n_layers)

@@ -172,6 +172,8 @@ class TiledMLP:
         norms: The norms to tile too (:func:`layer_norms`, :func:`final_norms`).
         mlp_modules: The names or globs of each layer's MLP modules, relative to the layer (:func:`find_mlps`);
             ``None``: the layer's ``mlp``.
+        budget_decides: Off until the memory budget turns it on (``tiled_mlp: auto``): each module runs its own
+            forward meanwhile.
 
     Raises:
         ConfigError: If a layer has no MLP to tile, or its MLP is a sparse mixture of experts (its router and
@@ -185,8 +187,11 @@ class TiledMLP:
         noun: str = "decoder layers",
         norms: Sequence[nn.Module] = (),
         mlp_modules: Optional[Sequence[str]] = None,
+        budget_decides: bool = False,
     ) -> None:
         self.tile_tokens = tile_tokens
+        self.budget_decides = budget_decides
+        self.active = not budget_decides  # the budget turns it on where its step needs it
         self.mlps = [mlp for index, layer in enumerate(layers) for mlp in find_mlps(layer, index, mlp_modules)]
         self.layers = len(layers)
         self.norms = list(norms)
@@ -213,7 +218,7 @@ class TiledMLP:
         width = widest_output(module)
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if args or kwargs or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+            if not self.active or args or kwargs or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
                 return original(x, *args, **kwargs)
             tile = self.tile_tokens
             if tile == AUTO:
@@ -222,6 +227,8 @@ class TiledMLP:
             return tiled_mlp(original, x, list(module.parameters()), int(tile))
 
         return forward
+
+    name = "tiled_mlp"
 
     def describe_layer(self) -> str:
         """What a layer's tiled parts save, for the per-layer table."""
@@ -233,7 +240,8 @@ class TiledMLP:
         tile = self.tile_tokens if self.tile_tokens != AUTO else "auto"
         norms = f", and {len(self.norms)} norms" if self.norms else ""
         modules = f": {len(self.mlps)} MLP modules" if len(self.mlps) != self.layers else ""
-        return f"tiled MLP ({self.layers} {self.noun}{modules}{norms}, tile_tokens: {tile})"
+        where = "" if self.active else "; where the budget needs it, not so far"
+        return f"tiled MLP ({self.layers} {self.noun}{modules}{norms}, tile_tokens: {tile}{where})"
 
     @property
     def modules(self) -> List[nn.Module]:
@@ -250,6 +258,6 @@ def install_tiled_mlp(config: Any, layers: Any) -> Optional[TiledMLP]:
     if config.norms:
         norms = [norm for layer in layers.modules for norm in layer_norms(layer)]
         norms += final_norms(layers.hf_models, layers.modules)
-    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms, config.mlp_modules)
+    tiled = TiledMLP(config.tile_tokens, layers.modules, layers.noun, norms, config.mlp_modules, config.budget_decides)
     tiled.install()
     return tiled
