@@ -114,8 +114,8 @@ MUTANTS += [
     ),
     Mutant(
         "lightning_ac/config/block.py",
-        "    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules)",
-        "    return TiledMLPConfig(tile_tokens=tokens, mlp_modules=mlp_modules)",
+        "    return TiledMLPConfig(tile_tokens=tokens, norms=norms, mlp_modules=mlp_modules, budget_decides=decides)",
+        "    return TiledMLPConfig(tile_tokens=tokens, mlp_modules=mlp_modules, budget_decides=decides)",
         "norms: false is ignored with a number of tile tokens",
         (f"{T}::test_a_sparse_mixture_of_experts_and_bad_values_are_refused",),
     ),
