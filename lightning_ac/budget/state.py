@@ -63,7 +63,6 @@ class SavedPlan:
         self.turned_on = list(state.get("turned_on", []))
         if not state.get("settled") or state.get("figures") is None:
             return  # saved before it settled: measuring again costs one step
-
         self.budget_bytes = state["budget_bytes"]
         self.figures = [LayerFigures(**f) for f in state["figures"]]
         self.tokens = int(state["tokens"])
