@@ -14,8 +14,8 @@ measured on the CPU: budget_measured_peak_bytes still shows the short steps' 13.
 import lightning as L
 import pytest
 import torch
+from budget_tools_cases import VocabLM
 from lightning.pytorch.callbacks import Callback
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lightning_ac import ActivationCheckpointing
 
@@ -23,28 +23,7 @@ BUDGET = "18MiB"
 BUDGET_BYTES = 18 * 2**20
 
 
-class M(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(
-            LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=8000,
-            )
-        )
-        self.model.train()
-
-    def training_step(self, b, i):
-        return self.model(input_ids=b, labels=b).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
+class M(VocabLM):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, 8000, (2, 64 if i < 4 else 128), generator=g) for i in range(20)]

@@ -13,39 +13,16 @@ import warnings
 
 import lightning as L
 import pytest
-import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
+from budget_tools_cases import VocabLM
 
 from lightning_ac import ActivationCheckpointing
 
 
-class M(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(
-            LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=8000,
-            )
-        )
-        self.model.train()
-
+class M(VocabLM):
     def training_step(self, b, i):
         logits = self.model(input_ids=b).logits
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), b[:, 1:].reshape(-1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        return torch.utils.data.DataLoader(torch.randint(0, 8000, (16, 128), generator=g), batch_size=2)
 
 
 @pytest.mark.xfail(

@@ -15,39 +15,15 @@ import tempfile
 
 import lightning as L
 import torch
+from budget_tools_cases import VocabLM
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lightning_ac import ActivationCheckpointing
 
 BUDGET = "18MiB"  # every layer recomputed: 23.9 MiB without the chunked loss, 12.2 MiB with it
 
 
-class M(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(
-            LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=8000,
-            )
-        )
-        self.model.train()
-
-    def training_step(self, b, i):
-        return self.model(input_ids=b, labels=b).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        return torch.utils.data.DataLoader(torch.randint(0, 8000, (16, 128), generator=g), batch_size=2)
+M = VocabLM
 
 
 class Spy(Callback):
