@@ -24,10 +24,6 @@ class M(VocabLM):
         return out.loss
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 58, open: the chunked loss's logits note does not say the budget turned it on (chunked_loss: auto)",
-)
 def test_note_says_the_budget_turned_it_on():
     trainer = L.Trainer(
         accelerator="cpu",

@@ -43,9 +43,6 @@ class Spy(Callback):
         self.rows[-1] += (ac._plan.budget.measured_peak,)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 58, open: a longer batch's re-plan does not turn a tool on before its second step"
-)
 def test_second_long_step_has_the_tool_on():
     spy = Spy()
     cb = ActivationCheckpointing(budget=BUDGET, chunked_loss="auto")

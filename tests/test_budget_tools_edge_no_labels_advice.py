@@ -25,10 +25,6 @@ class M(VocabLM):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), b[:, 1:].reshape(-1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 58, open: the nothing-fits advice does not name labels= when the chunked loss could not act",
-)
 def test_nothing_fits_advice_names_the_head_when_the_loss_could_not_be_chunked():
     cb = ActivationCheckpointing(budget="18MiB", chunked_loss="auto")
     with warnings.catch_warnings(record=True) as caught:

@@ -34,10 +34,6 @@ class Choices(Callback):
         self.rows.append((trainer.global_step, [c.value for c in ac._plan.budget.choices]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 58, open (not the tools': a resumed settled plan forgets its shape of work and measures again)",
-)
 def test_resumed_settled_plan_is_not_measured_again(caplog):
     d = tempfile.mkdtemp()
     try:

@@ -226,7 +226,10 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
             self._resumed = False
             assert self.budget_bytes is not None
             if peak <= self.budget_bytes:
-                self._settle()  # the checkpoint's plan holds here: it stays as it was chosen
+                # the checkpoint's plan holds here: it stays as it was chosen, and this step's shape of work is one
+                # measured (else the next batch alike would be measured again as a new one)
+                self._calibrations.setdefault(self._shape, self.calibration)
+                self._settle()
                 return
             # a run's first step allocates what only a first step does: it is not held against later choices
             self._check(peak, first=True)
@@ -321,10 +324,21 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
             calibration += max(1, int(SLACK * self.budget_bytes))
         return self._plan(10 * self.budget_bytes)  # nothing fits: every layer recomputed
 
-    def _choose(self) -> None:
-        """Choose from the figures and the calibration; the next measured step checks the choice."""
+    def _choose(self, at_step_end: bool = False) -> None:
+        """Choose from the figures and the calibration; the next measured step checks the choice. ``at_step_end``:
+        where nothing fits, a tool the budget decides may be turned on (its next step measures; not before a step's
+        layers run, where the tool's own hooks have already run)."""
         assert self.budget_bytes is not None and self.figures is not None
-        self._set(list(self._plan(self.calibration).choices))
+        plan = self._plan(self.calibration)
+        if (
+            at_step_end
+            and not plan.fits
+            and self._turn_on_a_tool(
+                f"by the figures measured at {self.tokens} tokens, every {self.noun[:-1]} recomputed is over"
+            )
+        ):
+            return
+        self._set(list(plan.choices))
         self.phase = CHECK
 
     def _estimate(self, choices: Sequence[Choice], calibration: int) -> tuple:

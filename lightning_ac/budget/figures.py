@@ -216,7 +216,7 @@ class FigureBook:
                 f"({format_bytes(measured)} measured, {format_bytes(expected)} scaled): the plan uses the measured "
                 "figures from here on"
             )
-        self._choose()
+        self._choose(at_step_end=True)
 
 
 def scaled_figures(figures: LayerFigures, ratio: float) -> LayerFigures:

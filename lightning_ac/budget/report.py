@@ -35,8 +35,15 @@ class BudgetReport:
         is not among it: it moves weights, and its streamed copies add to the activations' peak.)"""
         ways = []
         big_head = self.head_bytes > HEAD_ADVICE_SHARE * (self.measured_peak or 0)
-        chunks = next((t.last_chunks for t in self.tools() if t.name == "chunked_loss"), None)
-        if self.settings.head_chunkable and big_head:
+        loss = next((t for t in self.tools() if t.name == "chunked_loss"), None)
+        chunks = loss.last_chunks if loss is not None else None
+        if loss is not None and loss.active and not loss.chunked_calls and big_head:
+            ways.append(
+                "labels= in the model's training call (chunked_loss is on, but no training forward was given labels, "
+                f"so the loss was computed outside the model from whole logits, which hold {format_bytes(self.head_bytes)}"
+                " of the peak with their gradient)"
+            )
+        elif self.settings.head_chunkable and big_head:
             ways.append(
                 f"chunked_loss: true (the output head's logits and their gradient hold {format_bytes(self.head_bytes)}"
                 " of it; the loss a chunk of tokens at a time holds a chunk's)"

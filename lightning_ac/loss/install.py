@@ -212,15 +212,29 @@ class ChunkedLoss:
             or "NoneType" not in str(error)
         ):
             return
+        if self.budget_decides:
+            # the user never wrote chunked_loss: true; the budget turned it on mid-run, where every layer recomputed
+            # was over it: off again, the step would go over the budget
+            why = (
+                "chunked_loss: auto, and the memory budget turned it on: even every layer recomputed was over the "
+                "budget"
+            )
+            fix = (
+                "or set chunked_loss: false and a larger budget (without the chunked loss this step's logits do not "
+                "fit it)"
+            )
+        else:
+            why = "chunked_loss is on"
+            fix = "or set chunked_loss: false"
         note = (
-            f"lightning_ac: this may be the chunked loss: {self._without_logits}'s training forwards with labels "
-            "return logits=None (the loss is computed a chunk at a time, and the logits never exist whole). Compute "
-            "what needs the logits in validation_step (evaluation forwards return them), or call the model without "
-            "labels and compute the loss yourself, or set chunked_loss: false."
+            f"lightning_ac: this may be the chunked loss ({why}): {self._without_logits}'s training forwards with "
+            "labels return logits=None (the loss is computed a chunk at a time, and the logits never exist whole). "
+            "Compute what needs the logits in validation_step (evaluation forwards return them), or call the model "
+            f"without labels and compute the loss yourself, {fix}."
         )
         if hasattr(error, "add_note"):
             error.add_note(note)
-        rank_zero_warn(note)
+        rank_zero_warn(note.removeprefix("lightning_ac: "))  # the log line has the prefix of its own
 
     def describe(self) -> str:
         heads = ", ".join(sorted({f"{type(e.model).__name__}.{e.head_name}" for e in self._models}))
