@@ -245,12 +245,12 @@ def test_thinning_the_ways_keeps_the_least_held_and_the_fastest(monkeypatch):
     """Past MAX_STATES ways to reach a layer, the slower ways are thinned: the least-held one (so that whatever fits
     still does) and the fastest one (the optimum, where the budget allows it) stay."""
     monkeypatch.setattr(choice_module, "MAX_STATES", 4)
-    ways = [(held, 10.0 - held, ()) for held in range(10)]  # each holds more and is faster than the one before
-    ways += [(5, 20.0, ("dominated",)), (3, 7.0, ("equal",))]  # slower than a way that holds less, or as fast
-    kept = choice_module._fastest_per_held(ways)
+    ways = [(held, 0, 10.0 - held, ()) for held in range(10)]  # each holds more and is faster than the one before
+    ways += [(5, 0, 20.0, ("dominated",)), (3, 0, 7.0, ("equal",))]  # slower than a way that holds less, or as fast
+    kept = choice_module._undominated(ways)
     assert len(kept) == 4 and kept == sorted(kept)
-    assert kept[0] == (0, 10.0, ()), "the least held"
-    assert kept[-1] == (9, 1.0, ()), "the fastest"
+    assert kept[0] == (0, 0, 10.0, ()), "the least held"
+    assert kept[-1] == (9, 0, 1.0, ()), "the fastest"
     assert all(way in ways[:10] for way in kept)
 
 
