@@ -278,6 +278,12 @@ def _tracker_class() -> type:
             handle = register_optimizer_step_post_hook(track_states)
             self._optimizer_hook_handles = (handle, handle)
 
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:  # type: ignore[override]
+            from lightning_ac.offload.device import on_simulated_host
+
+            if not on_simulated_host(t):  # the simulated device's host memory is not the device's
+                super()._track(reftype, t)
+
         def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):  # type: ignore[override]
             memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
             if not install_grad_hooks:

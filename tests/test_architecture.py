@@ -251,7 +251,7 @@ def test_requests_use_the_block_error_shape():
     with pytest.raises(ConfigError) as info:
         ActivationOffload(hidden_states="gpu")
     assert str(info.value) == (
-        "ActivationOffload(hidden_states=...): expected none, cpu, true or false, got 'gpu'. "
+        "ActivationOffload(hidden_states=...): expected none, cpu, auto, true or false, got 'gpu'. "
         "Pass hidden_states='cpu' or hidden_states='none'."
     )
     with pytest.raises(ConfigError, match=r"ActivationOffload: hidden_states: cpu cannot be combined with all"):

@@ -12,7 +12,6 @@ measured on the CPU: budget_measured_peak_bytes still shows the short steps' 13.
 """
 
 import lightning as L
-import pytest
 import torch
 from budget_tools_cases import VocabLM
 from lightning.pytorch.callbacks import Callback

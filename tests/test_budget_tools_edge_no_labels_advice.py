@@ -12,7 +12,6 @@ batch or shorter sequences". (Without chunked_loss in the block, the same run's 
 import warnings
 
 import lightning as L
-import pytest
 import torch.nn.functional as F
 from budget_tools_cases import VocabLM
 

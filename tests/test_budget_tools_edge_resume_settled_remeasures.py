@@ -16,7 +16,6 @@ import shutil
 import tempfile
 
 import lightning as L
-import pytest
 from budget_tools_cases import VocabLM
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 

@@ -141,7 +141,7 @@ def test_a_rejected_value_prints_the_config_error_and_exits_2_without_a_tracebac
     assert result.returncode == 2, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: ActivationOffload(hidden_states=...): expected none, cpu, true or false, got 'gpu'. "
+        "error: ActivationOffload(hidden_states=...): expected none, cpu, auto, true or false, got 'gpu'. "
         "Pass hidden_states='cpu' or hidden_states='none'."
     ], result.stderr
     # where that argument is in the user's config, right below it

@@ -38,10 +38,11 @@ import torch
 from torch import nn
 
 from lightning_ac._logging import rank_zero_info
-from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
+from lightning_ac.budget.choice import Choice, LayerFigures, least_memory
 from lightning_ac.budget.figures import FigureBook
 from lightning_ac.budget.measure import LayerMeter
 from lightning_ac.budget.phase import CHECK, MEASURE, SETTLED
+from lightning_ac.budget.planning import SLACK, Planning
 from lightning_ac.budget.ranks import AUTO_MARGIN, agree, auto_budget
 from lightning_ac.budget.replan import Replans
 from lightning_ac.budget.report import BudgetReport
@@ -53,15 +54,13 @@ from lightning_ac.memory import measure_step  # the benchmark's and the main job
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
 
-__all__ = ["BudgetController", "AUTO_MARGIN", "MAX_CORRECTIONS"]
+__all__ = ["BudgetController", "AUTO_MARGIN", "MAX_CORRECTIONS", "SLACK"]
 
 # Corrections before the plan falls back to recomputing every layer.
 MAX_CORRECTIONS = 4
-# A correction aims this fraction of the budget below it, so that step-to-step noise does not cross it again.
-SLACK = 0.01
 
 
-class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools):
+class BudgetController(FigureBook, Planning, Replans, SavedPlan, BudgetReport, BudgetTools):
     """Decides, step by step until it settles, which decoder layers keep their activations under a memory budget.
 
     Args:
@@ -78,6 +77,8 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
         tools: The chunked loss and the tiled MLP, where installed, in the order the budget turns on those the block
             leaves to it (:class:`~lightning_ac.budget.tools.BudgetTools`). Where the chunked loss ran as one chunk
             and the head holds a large share of the peak, the nothing-fits advice names ``chunk_tokens``.
+        offload_fn: The checkpoint function that also moves the layer's input to host memory
+            (``offload.hidden_states: auto``; ``settings.copy_rates`` prices it).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
         policy: Optional[SelectivePolicy] = None,
         layer_types: Optional[Sequence[Optional[str]]] = None,
         tools: Optional[Callable[[], Sequence[Any]]] = None,
+        offload_fn: Optional[Callable[..., Any]] = None,
     ) -> None:
         self.settings = settings
         self.tools = tools or (lambda: ())  # type: ignore[method-assign]
@@ -108,7 +110,9 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
         )
         # per layer: whether its selective figures were measured (not the first guess), and in which step
         self.selective_measured = [False] * len(layers)
-        self.switches = [LayerSwitch(i, checkpoint_fn, self.meter, self._before_layer) for i in range(len(layers))]
+        self.switches = [
+            LayerSwitch(i, checkpoint_fn, self.meter, self._before_layer, offload_fn) for i in range(len(layers))
+        ]
         self.on_change = on_change
         self.figures: Optional[List[LayerFigures]] = None
         self.tokens = 0  # the tokens per step the figures hold for
@@ -280,7 +284,7 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
         # Kept per shape of work: the plan must fit the largest (padded batches beside unpadded ones)
         self._calibrations[self._shape] = peak - self._estimate(choices, 0)[0] + (int(SLACK * budget) if over else 0)
         self.calibration = max(self._calibrations.values())
-        everything = [Choice.recompute] * len(choices)
+        everything = list(least_memory(self.figures, self.settings.host_bytes))
         if over and choices == everything and not first:
             if self._turn_on_a_tool(
                 f"the step's activation peak {format_bytes(peak)} is over the budget with every "
@@ -312,44 +316,6 @@ class BudgetController(FigureBook, Replans, SavedPlan, BudgetReport, BudgetTools
             )
         self._set(list(plan.choices))
         self.phase = CHECK
-
-    def _choose_new(self) -> LayerPlan:
-        """The choice for the current calibration, raised a slack at a time past the choices measured over."""
-        assert self.budget_bytes is not None and self.figures is not None
-        calibration = self.calibration
-        for _ in range(len(self.switches) * 4 + 1):
-            plan = self._plan(calibration)
-            if tuple(plan.choices) not in self._over or not plan.fits:
-                return plan
-            calibration += max(1, int(SLACK * self.budget_bytes))
-        return self._plan(10 * self.budget_bytes)  # nothing fits: every layer recomputed
-
-    def _choose(self, at_step_end: bool = False) -> None:
-        """Choose from the figures and the calibration; the next measured step checks the choice. ``at_step_end``:
-        where nothing fits, a tool the budget decides may be turned on (its next step measures; not before a step's
-        layers run, where the tool's own hooks have already run)."""
-        assert self.budget_bytes is not None and self.figures is not None
-        plan = self._plan(self.calibration)
-        if (
-            at_step_end
-            and not plan.fits
-            and self._turn_on_a_tool(
-                f"by the figures measured at {self.tokens} tokens, every {self.noun[:-1]} recomputed is over"
-            )
-        ):
-            return
-        self._set(list(plan.choices))
-        self.phase = CHECK
-
-    def _estimate(self, choices: Sequence[Choice], calibration: int) -> tuple:
-        """The estimated peak and recompute time of ``choices``: the layers' figures, what is saved outside them and
-        in the head, and ``calibration``."""
-        assert self.figures is not None
-        return estimate(self.figures, choices, self.outside_bytes + calibration, self.head_bytes)
-
-    def _plan(self, calibration: int) -> LayerPlan:
-        assert self.figures is not None and self.budget_bytes is not None
-        return choose(self.figures, self.budget_bytes, self.outside_bytes + calibration, self.head_bytes)
 
     def _settle(self) -> None:
         if self.phase != SETTLED:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures, estimate
+from lightning_ac.budget.host import offload_seconds
 from lightning_ac.budget.measure import LayerReading
 from lightning_ac.budget.phase import MEASURE
 from lightning_ac.budget.settings import BudgetSettings
@@ -96,6 +97,16 @@ class FigureBook:
         tokens, outside, head = self._agree([self.meter.tokens, self.meter.outside_bytes, self.meter.head_bytes])
         self.tokens, self.outside_bytes = int(tokens), int(outside)
         self.head_bytes = int(HEAD_FACTOR * head)
+        self._price_offload()
+
+    def _price_offload(self) -> None:
+        """With ``offload.hidden_states: auto``, each layer's time recomputed with its input in host memory, from its
+        recompute time and the host link's measured rates (:func:`~lightning_ac.budget.host.offload_seconds`); run
+        whenever the recompute times change."""
+        rates = self.settings.copy_rates
+        if rates is None or self.figures is None:
+            return
+        self.figures = [dataclasses.replace(f, offload_seconds=offload_seconds(f, rates)) for f in self.figures]
 
     def _split_head(self, peak: int) -> None:
         """From the measuring step (every layer recomputed): the output head's working set is the larger of its
@@ -149,6 +160,7 @@ class FigureBook:
         for index, key in enumerate(keys):
             if key in mean:
                 self.figures[index] = dataclasses.replace(self.figures[index], recompute_seconds=mean[key])
+        self._price_offload()
 
     def _guess_selective(self) -> None:
         """With save rules, each layer whose selective figures were not measured yet gets a first guess from its
@@ -232,4 +244,5 @@ def scaled_figures(figures: LayerFigures, ratio: float) -> LayerFigures:
         input_saved_bytes=scale(figures.input_saved_bytes),
         selective_bytes=scale(figures.selective_bytes),
         selective_seconds=scale(figures.selective_seconds),
+        offload_seconds=scale(figures.offload_seconds),
     )

@@ -40,8 +40,8 @@ class BudgetReport:
         if loss is not None and loss.active and not loss.chunked_calls and big_head:
             ways.append(
                 "labels= in the model's training call (chunked_loss is on, but no training forward was given labels, "
-                f"so the loss was computed outside the model from whole logits, which hold {format_bytes(self.head_bytes)}"
-                " of the peak with their gradient)"
+                "so the loss was computed outside the model from whole logits, which hold "
+                f"{format_bytes(self.head_bytes)} of the peak with their gradient)"
             )
         elif self.settings.head_chunkable and big_head:
             ways.append(
@@ -54,8 +54,15 @@ class BudgetReport:
                 f"{chunks[0]} tokens, whose logits and gradient hold {format_bytes(self.head_bytes)} of the peak; "
                 f"chunk_tokens: auto takes at least {MIN_AUTO_CHUNK_TOKENS}, so give a number)"
             )
-        if self.device.type != "cpu" and self.settings.input_held:  # on the CPU, host memory is the device's
-            ways.append("offload.hidden_states: cpu (each recomputed layer's input in host memory)")
+        host = self.settings.host_bytes
+        inputs = sum(f.input_bytes for f in self.figures or [])
+        if self.settings.copy_rates is not None and host is not None and inputs > host:
+            ways.append(
+                f"more host memory for the inputs offloaded (every layer's holds {format_bytes(inputs)}; the host had "
+                f"room for {format_bytes(host)} at setup: ActivationOffload's host_reserve_bytes lowers the reserve)"
+            )
+        elif self.settings.copy_rates is None and self.device.type != "cpu" and self.settings.input_held:
+            ways.append("offload.hidden_states: auto (each recomputed layer's input in host memory where needed)")
         ways.append("a smaller batch or shorter sequences (with gradient accumulation to keep the batch size)")
         return ", or ".join(ways)
 
@@ -65,6 +72,7 @@ class BudgetReport:
         kept = choices.count(Choice.keep)
         selective = choices.count(Choice.selective)
         recomputed = choices.count(Choice.recompute)
+        offloaded = choices.count(Choice.offload)
         assert self.budget_bytes is not None
         estimated = self.estimated_peak
         figures = self.figures or []
@@ -74,6 +82,9 @@ class BudgetReport:
         if selective:
             parts.append(f"selective in {selective}")
         parts.append(f"recomputing {recomputed}")
+        if offloaded:
+            host = sum(f.host_bytes(c) for f, c in zip(figures, choices))
+            parts.append(f"recomputing {offloaded} with the input in host memory ({format_bytes(host)})")
         measured = f", measured {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
         return (
             f"budget {format_bytes(self.budget_bytes)}: {', '.join(parts)} (estimated peak "
@@ -93,6 +104,7 @@ class BudgetReport:
         found = {
             "lightning_ac/budget_bytes": float(self.budget_bytes or 0),
             "lightning_ac/budget_recomputed_layers": float(sum(c is not Choice.keep for c in self.choices)),
+            "lightning_ac/budget_offloaded_layers": float(self.choices.count(Choice.offload)),
         }
         if self.estimated_peak is not None:
             found["lightning_ac/budget_estimated_peak_bytes"] = float(self.estimated_peak)

@@ -4,8 +4,9 @@ what the budget measures."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
+from lightning_ac.budget.host import CopyRates
 from lightning_ac.config import AUTO
 
 __all__ = ["BudgetSettings"]
@@ -26,6 +27,11 @@ class BudgetSettings:
             to host memory on an accelerator).
         head_chunkable: Whether the block's ``chunked_loss`` is off for a model with an output head: then, where
             the head holds a large share of the peak, the nothing-fits advice names it.
+        copy_rates: With ``offload.hidden_states: auto`` on an asynchronous device, the host link's measured rates:
+            then a layer can also be recomputed with its input in host memory (:class:`~lightning_ac.budget.choice.
+            Choice` ``offload``); ``None``: it cannot.
+        host_bytes: The host memory the offloaded inputs may hold (``MemAvailable`` less the offload's reserve, at
+            setup); ``None``: unknown, no limit.
     """
 
     budget: Union[int, str]
@@ -33,6 +39,8 @@ class BudgetSettings:
     input_held: bool = True
     rules_held: bool = True
     head_chunkable: bool = False
+    copy_rates: Optional[CopyRates] = None
+    host_bytes: Optional[int] = None
 
     @property
     def budget_bytes(self) -> Union[int, None]:

@@ -200,7 +200,7 @@ def parse_layers(value: Any, name: str) -> Optional[List[LayerSpec]]:
 
 def parse_placement(value: Any, name: str) -> Placement:
     """Normalise one offload target (``none``/``cpu``, or ``true``/``false`` as booleans or text, any case);
-    ``disk`` is rejected for now."""
+    ``disk`` is rejected for now; ``auto`` is for ``hidden_states`` alone (the memory budget decides per layer)."""
     text = _bool_text(value)
     if text is not None:
         value = text
@@ -215,8 +215,18 @@ def parse_placement(value: Any, name: str) -> Placement:
                 f"{name}: 'disk' is rejected for now: disk offload is disabled pending a fix. "
                 f"{_set_to(name, 'cpu')} to keep these tensors in host memory instead."
             )
+        if placement is Placement.auto and "hidden_states" not in name:
+            raise ConfigError(
+                f"{name}: 'auto' is for hidden_states only: the memory budget decides, per decoder layer, whether its "
+                f"input goes to host memory; it does not decide this target. {_set_to(name, 'cpu', 'none')}."
+            )
         return placement
-    raise expected_error(name, "none, cpu, true or false", value, f"{_set_to(name, 'cpu', 'none')}.")
+    raise expected_error(
+        name,
+        "none, cpu, auto, true or false" if "hidden_states" in name else "none, cpu, true or false",
+        value,
+        f"{_set_to(name, 'cpu', 'none')}.",
+    )
 
 
 def _set_to(name: str, *values: str) -> str:

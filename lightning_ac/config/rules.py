@@ -59,6 +59,12 @@ def check_combination(cfg: ActivationCheckpointingConfig) -> None:
                 f"sets none). Set budget (e.g. budget: 20GiB, or auto on an accelerator), or budget_decides: false "
                 f"({field_name}: true) to have it on in every step, with the sizes you gave."
             )
+    if cfg.offload.hidden_states == Placement.auto and cfg.budget is None:
+        raise ConfigError(
+            "activation_checkpointing.offload.hidden_states: auto moves a decoder layer's input to host memory where "
+            "the memory budget needs it, but budget is not set. Set budget (e.g. budget: 20GiB, or auto on an "
+            "accelerator), or hidden_states: cpu to move every recomputed layer's input."
+        )
     if cfg.budget is not None and "every_n_layers" in cfg.kwargs:
         raise ConfigError(
             f"activation_checkpointing.budget: {cfg.budget!r} chooses which decoder layers are recomputed, and so "

@@ -48,6 +48,9 @@ class Placement(str, Enum):
     none = "none"
     cpu = "cpu"
     disk = "disk"
+    # hidden_states only, beside a memory budget: the budget decides per decoder layer whether its input goes to host
+    # memory (recomputed with it there), where the device needs it and the host has the room
+    auto = "auto"
 
     def __str__(self) -> str:  # "cpu", not "Placement.cpu", in messages and YAML
         return self.value

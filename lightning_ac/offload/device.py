@@ -30,6 +30,7 @@ __all__ = [
     "copies_held_in_flight",
     "hold_copies_in_flight",
     "is_asynchronous",
+    "on_simulated_host",
     "host_copies",
     "stands_for_plain",
     "standing_for_plain",
@@ -307,6 +308,14 @@ def host_copies() -> Iterator[None]:
         yield
     finally:
         _simulated = active
+
+
+def on_simulated_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is host memory of the active simulated device (what its engines pinned): on the CPU the
+    rest of memory stands for the device's, and a step's measured device memory leaves this out. ``False`` when no
+    simulated device is active (an accelerator's allocator never sees host memory; a CPU's host memory is its
+    device's)."""
+    return _simulated is not None and tensor.device.type == "cpu" and _simulated.on_host(tensor)
 
 
 def stand_in_for_cpu(device: Optional[AsyncDevice]) -> Optional[AsyncDevice]:

@@ -16,9 +16,10 @@ from torch.utils.checkpoint import checkpoint
 from lightning_ac._compat import CHECKPOINT_SIDE_EFFECTS_SETTING, DYNAMO_SKIPS_CHECKPOINT_SIDE_EFFECTS
 from lightning_ac.budget import BudgetController, BudgetSettings, Choice
 from lightning_ac.budget.first_plan import check_first_plan
+from lightning_ac.budget.host import offload_pricing
 from lightning_ac.checkpoint import CheckpointSettings, enable_hf_checkpointing, wrap_layers
 from lightning_ac.checkpoint.packed import notice_for
-from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError
+from lightning_ac.config import AUTO, ActivationCheckpointingConfig, ConfigError, Placement
 from lightning_ac.layers import CompiledModules, DecoderLayers, compiled_layers
 from lightning_ac.offload.activations import ActivationOffloadRuntime
 from lightning_ac.offload.compiled import checkpointed_inside_too, compiled_call, offload_inputs_of_compiled_layer
@@ -115,6 +116,11 @@ def install_recompute(
         done.selective.install()
         context_fn = done.selective.checkpoint_context_fn()
     checkpoint_fn = activation_offload.wrap_checkpoint(checkpoint) if activation_offload else checkpoint
+    # offload.hidden_states: auto: the budget decides per layer which inputs go to host memory (the rest recompute
+    # through torch's checkpoint alone)
+    inputs_decided = config.budget is not None and config.offload.hidden_states == Placement.auto
+    offload_fn = checkpoint_fn if inputs_decided else None
+    checkpoint_fn = checkpoint if inputs_decided else checkpoint_fn
     switches = None
     if hidden_states is not None and compiled:
         # a compiled layer's inputs move around its compiled call (offload/compiled.py): hooks around its
@@ -125,6 +131,8 @@ def install_recompute(
         if config.budget_first_plan == "estimate":
             offloads = activation_offload is not None and bool(activation_offload.targets)
             check_first_plan(module, offloads, layer_offloading)
+        if inputs_decided:
+            moved = [t for t in moved if t != "hidden_states"]  # measured on the device: the choice moves them
         settings = BudgetSettings(
             config.budget,
             first_plan=config.budget_first_plan,
@@ -132,6 +140,7 @@ def install_recompute(
             rules_held="selective" not in moved,
             # what the loss holds can shrink: the nothing-fits advice may name chunked_loss
             head_chunkable=config.chunked_loss is None and bool(layers.output_heads()),
+            **(offload_pricing(activation_offload, device) if inputs_decided else {}),
         )
         done.budget = BudgetController(
             settings,
@@ -143,6 +152,7 @@ def install_recompute(
             policy=done.selective,
             layer_types=layers.layer_types,
             tools=tools,
+            offload_fn=offload_fn,
         )
         switches = done.budget.switches
     settings = CheckpointSettings(config.checkpoint_kwargs, config.every_n_layers)

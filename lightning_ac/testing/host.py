@@ -8,6 +8,7 @@ from typing import Dict, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_ac.testing.streams import storage_key
 
@@ -45,6 +46,18 @@ class HostCounters:
             self._allocated[storage_key(buffer)] = (StorageWeakRef(storage), storage.nbytes())
         self._pinned[storage_key(buffer)] = StorageWeakRef(buffer.untyped_storage())
         return buffer
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A new pinned host buffer, allocated where no dispatch mode sees it: host memory is not the device's, which
+        a device's allocator never sees allocated (on the CPU, MemTracker stands for that allocator)."""
+        with _disable_current_modes():
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.pinned(buffer, allocated=True)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is pinned host memory still alive."""
+        pinned = self._pinned.get(storage_key(tensor))
+        return pinned is not None and not pinned.expired()
 
     def copy(self, host: torch.Tensor) -> None:
         """A copy to or from ``host``: counted when its memory is not pinned."""

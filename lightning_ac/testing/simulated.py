@@ -277,8 +277,12 @@ class SimulatedDevice(AsyncDevice):
         allocation = self._allocation(tensor)
         return allocation.recorded_to if allocation is not None else None
 
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory (pinned); the rest of the CPU's memory stands for the device's."""
+        return self.host.is_pinned(tensor)
+
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return self.host.pinned(torch.empty(nbytes, dtype=torch.uint8), allocated=True)  # host memory is host memory
+        return self.host.pinned_empty(nbytes)
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.host.pinned(tensor)
