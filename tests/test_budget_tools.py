@@ -79,7 +79,7 @@ def test_chunked_loss_auto_turns_on_where_only_it_fits(vocab_peaks, caplog):
     assert probe.resumed == (["chunked_loss"], ["chunked_loss"]), "a resumed run starts with it on"
     assert peak <= budget, (peak, budget)
     assert chunks.seen[-1][0] > 0, "the loss was computed in chunks"
-    assert "turning chunked_loss on" in caplog.text
+    assert "keeping chunked_loss on: only with it does a plan fit the budget" in caplog.text
     assert_same(vocab_peaks["off"], module, exact=False)
 
 

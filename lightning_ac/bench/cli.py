@@ -19,7 +19,7 @@ from lightning_ac.bench.modes import ALL_COMPILED, MODES, UNPLANNED, default_mod
 from lightning_ac.bench.plot import plot
 from lightning_ac.bench.presets import PRESETS
 from lightning_ac.bench.run import Row, quiet, run_benchmark
-from lightning_ac.bench.tables import results_markdown
+from lightning_ac.bench.tables import auto_goals, results_markdown
 
 __all__ = ["main"]
 
@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> List[Row]:
 
     measured = (args.seq, args.batch, args.dtype, args.reps, args.steps)
     rows = run_benchmark(preset, modes, *measured, model=args.model, on_progress=write_so_far)
-    verdicts = check_goals(rows, PRESETS[preset].get("goals", ()))
+    verdicts = check_goals(rows, [*PRESETS[preset].get("goals", ()), *auto_goals(rows)])
     table = results_markdown(rows, verdicts)
     print(table)
     written = ["results.md", "results.json", "memory_time.png"] + (["goals.json"] if verdicts else [])

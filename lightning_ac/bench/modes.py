@@ -285,8 +285,19 @@ BUDGET_BLOCK: Dict[str, Any] = {"selective": {"save": ["attention"]}}
 BUDGET_SETTLE_STEPS = 3
 # The same with chunked_loss, placed between off_chunked's and full_chunked's peaks.
 CHUNKED_BUDGET_MODES: Dict[str, float] = {f"{name}_chunked": fraction for name, fraction in BUDGET_MODES.items()}
-ALL_BUDGET_MODES = {**BUDGET_MODES, **CHUNKED_BUDGET_MODES}
-MODES = {**SUITE_MODES, **BUDGET_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
+# The one knob (issue 58): the budget rows' budgets, with every tool left to the budget (the chunked loss, the tiled MLP
+# and each layer's input in host memory where the budget needs or gains by them). Weighing a tool takes a step each:
+# AUTO_SETTLE_STEPS warm-up steps.
+AUTO_MODES: Dict[str, float] = {"auto_25": 0.25, "auto_50": 0.5, "auto_75": 0.75}
+AUTO_BLOCK: Dict[str, Any] = {
+    **BUDGET_BLOCK,
+    "chunked_loss": "auto",
+    "tiled_mlp": "auto",
+    "offload": {"hidden_states": "auto"},
+}
+AUTO_SETTLE_STEPS = 6
+ALL_BUDGET_MODES = {**BUDGET_MODES, **CHUNKED_BUDGET_MODES, **AUTO_MODES}
+MODES = {**SUITE_MODES, **BUDGET_MODES, **AUTO_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.
 ALL_SUITE_MODES = {
     **SUITE_MODES,
@@ -311,7 +322,14 @@ def budget_bounds(mode: str) -> Tuple[str, str]:
 
 def budget_block(mode: str, budget: Optional[int]) -> Dict[str, Any]:
     """A budget row's block."""
+    if mode in AUTO_MODES:
+        return {**AUTO_BLOCK, "budget": budget}
     return {**BUDGET_BLOCK, "budget": budget, **(CHUNKED_LOSS if mode in CHUNKED_BUDGET_MODES else {})}
+
+
+def settle_steps(mode: str) -> int:
+    """The warm-up steps a budget row takes beyond the others' before it is measured and timed."""
+    return AUTO_SETTLE_STEPS if mode in AUTO_MODES else BUDGET_SETTLE_STEPS
 
 
 def training_loss(mode: str) -> Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
@@ -354,7 +372,8 @@ def layer_offload_mode(model: nn.Module, resident: Optional[str], on_host: bool)
 
 def default_modes(on_accelerator: bool, compiled: bool = True) -> List[str]:
     """Every mode that runs here, in table order; without the compiled ones unless ``compiled``."""
-    modes = list(SUITE_MODES) + list(BUDGET_MODES) + (list(ACCELERATOR_SUITE_MODES) if on_accelerator else [])
+    modes = list(SUITE_MODES) + list(BUDGET_MODES) + list(AUTO_MODES)
+    modes += list(ACCELERATOR_SUITE_MODES) if on_accelerator else []
     # on the GPU, the output head's rows too (a preset there has a real vocabulary), and torch's own SAC beside ours
     modes += ["full_chunked"] if on_accelerator else []
     anchors = [a for a in ANCHORS if on_accelerator or a != "torch_sac"]  # on the CPU: python -m ...bench.sac_cost

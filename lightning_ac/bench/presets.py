@@ -47,6 +47,9 @@ VOCAB_MODES: List[str] = [
     "torch_checkpoint_wrapper",
     "torchtune_chunked_ce",
     *(f"{budget}{chunked}" for budget in ("budget_25", "budget_50", "budget_75") for chunked in ("", "_chunked")),
+    "auto_25",
+    "auto_50",
+    "auto_75",
 ]
 # issue 31: with chunked_loss, full holds at most a fifth of its activations without it, comes within 1.3x of the
 # floor (none of the head's activations), and steps at most 5% slower

@@ -29,7 +29,6 @@ from lightning_ac.bench.modes import (
     ALL_BUDGET_MODES,
     ALL_COMPILED,
     ALL_SUITE_MODES,
-    BUDGET_SETTLE_STEPS,
     COMPILED_MODES,
     FLOOR_MODES,
     LAYER_OFFLOAD_MODES,
@@ -40,6 +39,7 @@ from lightning_ac.bench.modes import (
     compile_layers,
     default_modes,
     layer_offload_mode,
+    settle_steps,
     training_loss,
     warm_up_compiler,
 )
@@ -197,7 +197,7 @@ def _run_mode(
     elif mode in LAYER_OFFLOAD_MODES:
         model, callbacks = layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
     elif mode in ALL_BUDGET_MODES:
-        callbacks, settle = callbacks_from_config(budget_block(mode, budget)), BUDGET_SETTLE_STEPS
+        callbacks, settle = callbacks_from_config(budget_block(mode, budget)), settle_steps(mode)
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     if mode in ALL_COMPILED and accelerator == "cpu":

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from lightning_ac.bench.goals import Verdict
-from lightning_ac.bench.modes import ALL_BUDGET_MODES, ALL_COMPILED, CHUNKED_BUDGET_MODES, LAYER_OFFLOAD_MODES
+from lightning_ac.bench.goals import Goal, Verdict
+from lightning_ac.bench.modes import (
+    ALL_BUDGET_MODES,
+    ALL_COMPILED,
+    AUTO_MODES,
+    CHUNKED_BUDGET_MODES,
+    LAYER_OFFLOAD_MODES,
+)
 from lightning_ac.bench.run import Row
 
-__all__ = ["fastest_fixed_mode", "goals_markdown", "results_markdown"]
+__all__ = ["AUTO_STEP_GOAL", "auto_goals", "fastest_fixed_mode", "goals_markdown", "results_markdown"]
 
 
 def _ratio(value: Optional[float], base: Optional[float]) -> str:
@@ -94,6 +100,25 @@ def _copy_floor_markdown(rows: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_AUTO_ROWS = (
+    "; the `auto` rows also leave `chunked_loss`, `tiled_mlp` and `offload.hidden_states` to the budget (each weighed, "
+    "on where it fits the budget or steps faster)"
+)
+# issue 58: each auto row (the one knob) steps within this multiple of the fastest fixed mode that fits its budget
+AUTO_STEP_GOAL = 1.05
+
+
+def auto_goals(rows: Sequence[Row]) -> List[Goal]:
+    """A step-time goal for each auto row that ran: at most :data:`AUTO_STEP_GOAL` times the fastest fixed mode
+    whose measured activation peak fits its budget (that it fits the budget is the budget table's column)."""
+    goals = []
+    for r in rows:
+        fixed = fastest_fixed_mode(rows, r.budget_bytes) if r.mode in AUTO_MODES and r.budget_bytes else None
+        if fixed is not None:
+            goals.append(Goal(r.mode, "step", fixed.mode, AUTO_STEP_GOAL))
+    return goals
+
+
 def fastest_fixed_mode(rows: Sequence[Row], budget_bytes: int) -> Optional[Row]:
     """The fastest suite mode of one fixed choice (not a budget) whose measured activation peak fits the budget."""
     fitting = [
@@ -116,7 +141,8 @@ def _budget_markdown(budgets: List[Row], rows: List[Row]) -> str:
     lines = [
         "",
         "Memory budget (placed 1/4, 1/2 and 3/4 of the way from full's activation peak to off's, with "
-        f"`selective: {{save: [attention]}}`{chunked}; each layer's choice: k keep, s selective, r recompute):",
+        f"`selective: {{save: [attention]}}`{chunked}{_AUTO_ROWS if any(r.mode in AUTO_MODES for r in budgets) else ''}"
+        "; each layer's choice: k keep, s selective, r recompute, o recompute with the input in host memory):",
         "",
         "| mode | budget (MiB) | peak (MiB) | under budget | layers | fastest fixed mode that fits | step vs it "
         "| max grad diff |",

@@ -49,7 +49,7 @@ from lightning_ac.budget.report import BudgetReport
 from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.budget.state import SavedPlan
 from lightning_ac.budget.switch import LayerSwitch
-from lightning_ac.budget.tools import BudgetTools
+from lightning_ac.budget.tools import BudgetTools, HeadTime
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
@@ -97,6 +97,9 @@ class BudgetController(FigureBook, Planning, Replans, SavedPlan, BudgetReport, B
         self.settings = settings
         self.tools = tools or (lambda: ())  # type: ignore[method-assign]
         self.turned_on: List[str] = []  # the tools turned on, in order
+        self.weighed: set = set()  # the tools weighed (on or off since)
+        self.head_time = HeadTime()  # the output head's time in the last measuring step
+        self._head_clock: Any = None
         self.budget_bytes: Optional[int] = settings.budget_bytes
         self.device = device
         self.noun = noun
@@ -206,7 +209,10 @@ class BudgetController(FigureBook, Planning, Replans, SavedPlan, BudgetReport, B
             self._take_figures(readings, alike_times=fake)
             self._split_head(peak)
             self.phase = CHECK  # the step's peak checks "every layer recomputed" like any other choice
-            self._check(peak, first=True, measuring=True)
+            checked = self._weigh_tools(peak, readings, fake)
+            if checked is None:
+                return  # a tool is weighed: the next step measures with it on
+            self._check(checked, first=True, measuring=True)
             if fake and self.phase != MEASURE:  # an estimate: the first real step checks the plan it made
                 self.phase, self._estimated = CHECK, True
             return

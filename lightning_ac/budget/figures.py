@@ -59,12 +59,17 @@ class FigureBook:
         if self._measurement is not None:
             self._measurement.restart_peak()
             self._head_forward_peak = 0
+        self._head_clock = self.meter.timer.start()  # the head's time, for weighing the tools (budget/tools.py)
 
     def _read_head_peak(self) -> None:
         """When backward reaches the layers in the measuring step: the peak since backward started is the output
         head's (every layer's input held)."""
         if self._measurement is not None:
             self._head_peak = self._measurement.peak_so_far()
+        if self._head_clock is not None:
+            self.head_time.seconds = 0.0
+            self.meter.timer.stop(self._head_clock, self.head_time, "seconds")
+            self._head_clock = None
 
     def _take_figures(self, readings: List[LayerReading], alike_times: bool = False) -> None:
         """The measured layers' figures, the bytes outside them and the head's. ``alike_times``: alike layers take

@@ -242,12 +242,12 @@ class LayerMeter:
         self.readings: List[LayerReading] = []
         self.tokens = 0
         self._parameters: Set[int] = set()
-        self._timer = _Timer(device)
+        self.timer = _Timer(device)
 
     def start(self, host_clock: bool = False) -> None:
         """Measure the calls from now on (until :meth:`stop`). ``host_clock``: time them on the host's clock, not the
         device's (a step on fake tensors, whose ops run no device work to time)."""
-        self._timer = _Timer(torch.device("cpu") if host_clock else self.device)
+        self.timer = _Timer(torch.device("cpu") if host_clock else self.device)
         self.active = True
         self.readings = [LayerReading() for _ in self.layers]
         self.tokens = 0
@@ -261,7 +261,7 @@ class LayerMeter:
 
     def stop(self) -> List[LayerReading]:
         """Stop measuring; each layer's reading of the calls since :meth:`start`."""
-        self._timer.collect()
+        self.timer.collect()
         for index, reading in enumerate(self.readings):
             if reading.under_rules and self.rule_bytes is not None:
                 reading.rule_bytes = self.rule_bytes(index) or 0
@@ -341,11 +341,11 @@ class LayerMeter:
         count_saves: bool,
     ) -> Any:
         if not count_saves:
-            started = self._timer.start()
+            started = self.timer.start()
             try:
                 return function(*args)
             finally:  # a recompute that stops early raises out of the function
-                self._timer.stop(started, reading, field)
+                self.timer.stop(started, reading, field)
         reading.counted += 1
         inputs = self._input_storages(args)
         reading.input_bytes += sum(inputs.values())
@@ -362,10 +362,10 @@ class LayerMeter:
                 reading.input_saved_bytes += size
 
         dry = self.dry_run(index) if self.dry and self.dry_run is not None and not rules else None
-        started = self._timer.start()
+        started = self.timer.start()
         with _CountingHooks(count), dry if dry is not None else contextlib.nullcontext() as region:
             out = function(*args)
-        self._timer.stop(started, reading, field)
+        self.timer.stop(started, reading, field)
         if region is not None:
             reading.rule_bytes += region.saved_bytes
         reading.under_rules = rules  # what the rules kept is known once the checkpoint's call ends (stop)

@@ -1,54 +1,178 @@
-"""The tools a memory budget turns on where its step needs them: ``chunked_loss: auto`` and ``tiled_mlp: auto``.
+"""The tools a memory budget turns on where its step needs them, or where they make it faster: ``chunked_loss: auto``
+and ``tiled_mlp: auto``.
 
 Recomputing a decoder layer is the budget's first means: per layer, keep, save selectively or recompute, for the least
-recompute under the budget (:mod:`lightning_ac.budget.choice`). When even every layer recomputed is over the budget
-(by the figures of the measuring step, or measured), what is left is what recompute cannot reach: the output head's
-logits (the chunked loss) and a recomputed layer's own working set, its MLP's intermediates and its norms' float32
-copies (the tiled MLP). A tool the block leaves to the budget is installed off, each model computing as it does; the
-budget turns the first one still off on, in this order (the chunked loss first: on the measured CPU preset it steps no
-slower, and the head is a long-context step's largest working set), and measures the step again, every layer
-recomputed, as its first step did: the figures change with the tool (the head's bytes, each layer's working set),
-and so does every choice measured before. A budget that fits without them turns none on, and the step is the plain
-one.
+recompute under the budget (:mod:`lightning_ac.budget.choice`). What recompute cannot reach is the output head's logits
+(the chunked loss) and a recomputed layer's own working set, its MLP's intermediates and its norms' float32 copies (the
+tiled MLP). A tool the block leaves to the budget is installed off, each model computing as it does, and weighed:
+
+- After the measuring step, where the plan it allows recomputes anything (or nothing fits), the first tool not weighed
+  yet is turned on and the next step measures again, every layer recomputed, as the first did: the figures change with
+  the tool (the head's bytes, each layer's working set and time).
+- The two measured steps then give two plans, each the fastest under the budget by its own figures. The tool's own
+  time is what it adds outside the recomputes: the output head's time (from the last layer's forward to backward
+  reaching the layers) and the layers' forwards, measured in both steps; what it adds to a recompute is in the plan's
+  recompute time already. It stays on where its plan fits and steps faster (predicted: the plan's recompute and the
+  tool's own time) by more than :data:`MIN_GAIN` of the recompute without it (less is the clock's noise, and off the
+  step is the plain one), or where only its plan fits; else it is turned off again and the step measured without it is
+  taken back. Either way one line says which and why, and the next tool is weighed the same way.
+- Later, when a step measured with every layer recomputed is over the budget (a longer batch, another shape of work),
+  the first tool still off is turned on without weighing: nothing else is left.
+
+A budget that keeps every layer weighs nothing and turns nothing on: the step is the plain one. After a plan made
+from fake tensors (``budget_first_plan: estimate``, whose times are the host's) nothing is weighed either: a tool is
+turned on only where nothing fits.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 from lightning_ac._logging import rank_zero_info
+from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
+from lightning_ac.budget.measure import LayerReading
 from lightning_ac.budget.phase import MEASURE
 
-__all__ = ["BudgetTools"]
+__all__ = ["BudgetTools", "HeadTime", "MIN_GAIN"]
+
+# A tool stays on for speed only where its plan is predicted faster by more than this share of the recompute time
+# without it: two measured steps differ by the clock's noise, and a tool that gains nothing is better off.
+MIN_GAIN = 0.10
+
+
+@dataclass
+class HeadTime:
+    """The output head's time in a measuring step: from the last layer's forward to backward reaching the layers."""
+
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Weighed:
+    """A measuring step without the tool being weighed: what to go back to, and its times."""
+
+    tool: Any
+    figures: List[LayerFigures]
+    outside_bytes: int
+    head_bytes: int
+    peak: int
+    head_seconds: float
+    forward_seconds: float
 
 
 class BudgetTools:
-    """The controller's part that turns on the tools the block leaves to the budget (mixed into
+    """The controller's part that weighs and turns on the tools the block leaves to the budget (mixed into
     :class:`~lightning_ac.budget.controller.BudgetController`).
 
     Attributes:
-        tools: Returns the tools installed, in the order the budget turns them on; each has ``name``,
+        tools: Returns the tools installed, in the order the budget weighs them; each has ``name``,
             ``budget_decides``, ``active`` and ``describe()`` (:class:`~lightning_ac.loss.install.ChunkedLoss`,
             :class:`~lightning_ac.tiled_mlp.install.TiledMLP`).
+        turned_on: The tools on, in the order they were turned on.
+        weighed: The tools weighed (on or off since).
     """
 
     tools: Callable[[], Sequence[Any]] = staticmethod(lambda: ())  # type: ignore[assignment]
     turned_on: List[str]
+    weighed: Set[str]
+    head_time: HeadTime
+    _weighing: Optional[_Weighed] = None
+
+    def _weigh_tools(self, peak: int, readings: List[LayerReading], fake: bool) -> Optional[int]:
+        """After a measuring step (its figures taken): end the weighing of a tool, and start the next one's where the
+        plan recomputes anything. Returns the measured peak the plan is chosen from (the step without the tool's,
+        where that one was taken back), or ``None`` where the next step measures with another tool on."""
+        if self._weighing is not None:
+            peak = self._end_weighing(peak, readings)
+        tool = None if fake else next((t for t in self._undecided() if t.name not in self.weighed), None)
+        if tool is None:
+            return peak
+        plan = self._plan_measured(peak)
+        if plan.fits and not any(c is not Choice.keep for c in plan.choices):
+            return peak  # every layer kept: no tool can make the step faster
+        assert self.figures is not None
+        self._weighing = _Weighed(
+            tool,
+            list(self.figures),
+            self.outside_bytes,
+            self.head_bytes,
+            peak,
+            self.head_time.seconds,
+            sum(r.forward_seconds for r in readings),
+        )
+        self.weighed.add(tool.name)
+        tool.active = True
+        self.turned_on.append(tool.name)
+        rank_zero_info(f"budget: weighing {tool.name}: measuring the next step with it on ({tool.describe()})")
+        self._measure_again()
+        return None
+
+    def _end_weighing(self, peak: int, readings: List[LayerReading]) -> int:
+        """Keep the tool weighed on where its plan fits and is faster, or where only its plan fits; else turn it off
+        and take back the step measured without it."""
+        assert self._weighing is not None and self.budget_bytes is not None
+        before, self._weighing = self._weighing, None
+        tool = before.tool
+        with_tool = self._plan_measured(peak)
+        own_seconds = self.head_time.seconds - before.head_seconds
+        own_seconds += sum(r.forward_seconds for r in readings) - before.forward_seconds
+        calibration = peak_without = before.peak
+        calibration -= estimate(before.figures, self.choices, before.outside_bytes, before.head_bytes)[0]
+        without = choose(
+            before.figures,
+            self.budget_bytes,
+            before.outside_bytes + calibration,
+            before.head_bytes,
+            host_bytes=self.settings.host_bytes,
+        )
+        seconds_with = with_tool.recompute_seconds + own_seconds
+        faster = seconds_with < (1 - MIN_GAIN) * without.recompute_seconds
+        if with_tool.fits and (not without.fits or faster):
+            why = (
+                "only with it does a plan fit the budget"
+                if not without.fits
+                else f"its plan steps {1000 * (without.recompute_seconds - seconds_with):.1f} ms faster (recompute "
+                f"{1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * own_seconds:.1f} ms, against "
+                f"{1000 * without.recompute_seconds:.1f} ms of recompute without it)"
+            )
+            rank_zero_info(f"budget: keeping {tool.name} on: {why}")
+            return peak
+        tool.active = False
+        self.turned_on.remove(tool.name)
+        self.figures = list(before.figures)
+        self.outside_bytes, self.head_bytes = before.outside_bytes, before.head_bytes
+        self._price_offload()
+        self.measured_peak = peak_without
+        why = (
+            "no plan fits the budget with it either"
+            if not with_tool.fits
+            else f"the plan with it is not predicted faster (recompute {1000 * without.recompute_seconds:.1f} ms, "
+            f"against {1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * own_seconds:.1f} ms with it)"
+        )
+        rank_zero_info(f"budget: turning {tool.name} off again: {why}")
+        return peak_without
+
+    def _plan_measured(self, peak: int) -> LayerPlan:
+        """The plan the figures of the measuring step just taken allow, calibrated on its measured ``peak``."""
+        return self._plan(peak - self._estimate(self.choices, 0)[0])
 
     def _turn_on_a_tool(self, why: str) -> bool:
         """Turn on the first tool the budget decides that is still off, and measure again; ``False`` if none is
         left (``why``: the line's reason)."""
-        tool = self._next_tool()
+        tool = next(iter(self._undecided()), None)
         if tool is None:
             return False
         tool.active = True
         self.turned_on.append(tool.name)
+        self.weighed.add(tool.name)
         rank_zero_info(f"budget: {why}: turning {tool.name} on, and measuring the step again ({tool.describe()})")
         self._measure_again()
         return True
 
-    def _next_tool(self) -> Optional[Any]:
-        return next((t for t in self.tools() if t.budget_decides and not t.active), None)
+    def _undecided(self) -> List[Any]:
+        """The tools the budget decides that are off, in the order it weighs them."""
+        return [t for t in self.tools() if t.budget_decides and not t.active]
 
     def _measure_again(self) -> None:
         """The next step measures every layer recomputed, as the first did; what was measured before holds for a

@@ -31,7 +31,9 @@ class ActivationOffload(SuiteCallback):
     ``copy_on_host=True`` forces the full pack/unpack path (copies into separate host buffers).
 
     Args:
-        hidden_states: Each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`.
+        hidden_states: Each checkpointed decoder layer's input. Needs :class:`ActivationCheckpointing`. ``"auto"``
+            (beside ``ActivationCheckpointing(budget=...)``): the memory budget decides per layer whether its input
+            goes to host memory, where the device needs it and the host has the room (docs/budget.md).
         selective: What the selective checkpointing policy saves. Needs ``ActivationCheckpointing(selective=...)``.
         all: Every activation saved in the training forward (with recompute: what is saved outside the layers plus
             each layer's input). Cannot be combined with ``hidden_states``.

@@ -9,7 +9,12 @@ from mutation import Equivalent, Mutant
 CHOICE = "lightning_ac/budget/choice.py"
 CONTROLLER = "lightning_ac/budget/controller.py"
 REPLAN = "lightning_ac/budget/replan.py"
+TOOLS = "lightning_ac/budget/tools.py"
+SWITCH = "lightning_ac/budget/switch.py"
+W = "tests/test_budget_tools_weighing.py::"
+A = "tests/test_budget_offload_auto.py::"
 T = "tests/test_budget.py::"
+O = "tests/test_budget_offload_choice.py::"
 C = "tests/test_budget_controller.py::"
 
 MUTANTS: List[Mutant] = [
@@ -30,8 +35,8 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         CHOICE,
-        "for held, seconds, chosen in ways if held + head_bytes <= budget_bytes]",
-        "for held, seconds, chosen in ways if held <= budget_bytes]",
+        "for held, host, seconds, chosen in ways if held + head_bytes <= budget_bytes",
+        "for held, host, seconds, chosen in ways if held <= budget_bytes",
         "the output head's backward is left out of the choice: over the budget at the head",
         (T + "test_the_output_head_runs_its_backward_with_every_layers_bytes_held",),
     ),
@@ -44,8 +49,8 @@ MUTANTS: List[Mutant] = [
     ),
     Mutant(
         CHOICE,
-        "(held + layer_held, seconds + layer_seconds, chosen + (choice,))",
-        "(held + working, seconds + layer_seconds, chosen + (choice,))",
+        "(held + layer_held, host + layer_host, seconds + layer_seconds, chosen + (choice,))",
+        "(held + working, host + layer_host, seconds + layer_seconds, chosen + (choice,))",
         "each layer is taken to hold its whole working set until backward: far more recompute than needed",
         (T + "test_the_output_head_runs_its_backward_with_every_layers_bytes_held",),
     ),
@@ -62,6 +67,27 @@ MUTANTS: List[Mutant] = [
         "and self.selective_seconds <= self.recompute_seconds",
         "the save rules are chosen where they measured no faster than a whole recompute",
         (T + "test_selective_is_offered_only_where_it_measured_faster_than_recompute",),
+    ),
+    Mutant(
+        CHOICE,
+        "if held + working <= budget_bytes and host + layer_host <= room",
+        "if held + working <= budget_bytes",
+        "the offloaded inputs are not held against the host's room: more inputs offloaded than the host can hold",
+        (O + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
+    ),
+    Mutant(
+        CHOICE,
+        "_, _, _, choices = min(finishing, key=lambda entry: entry[:3])",
+        "_, _, _, choices = min(finishing, key=lambda entry: (entry[0], entry[2]))",
+        "at equal time, more inputs in host memory than needed (the least device bytes taken first)",
+        (O + "test_fully_hidden_copies_offload_only_the_inputs_the_budget_needs",),
+    ),
+    Mutant(
+        CHOICE,
+        "if at and times[at - 1] <= seconds:",
+        "if times and min(times) <= seconds:",
+        "a way that holds more on the device but less on the host is dropped: a fitting offload plan is missed",
+        (O + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
     ),
     # -- controller.py: the closed loop
     Mutant(
@@ -126,6 +152,29 @@ MUTANTS: List[Mutant] = [
         "over = peak >= budget",
         "a step whose peak is exactly the budget is corrected: more recompute",
         (C + "test_a_peak_exactly_at_the_budget_fits",),
+    ),
+    # -- tools.py: weighing the tools the budget decides
+    Mutant(
+        TOOLS,
+        "faster = seconds_with < (1 - MIN_GAIN) * without.recompute_seconds",
+        "faster = True",
+        "a tool weighed stays on whatever it costs",
+        (W + "test_a_tool_that_costs_more_than_it_saves_is_turned_off_again",),
+    ),
+    Mutant(
+        TOOLS,
+        "if plan.fits and not any(c is not Choice.keep for c in plan.choices):",
+        "if False:",
+        "a budget that keeps every layer still weighs the tools: a step with each on, not the plain run",
+        (W + "test_a_budget_that_keeps_every_layer_weighs_nothing_and_trains_as_a_plain_run",),
+    ),
+    # -- switch.py: the offload choice
+    Mutant(
+        SWITCH,
+        "if self.choice is Choice.offload:",
+        "if False:",
+        "a layer chosen to offload its input keeps it on the device: over the budget only offloading meets",
+        (A + "test_a_budget_only_offloading_meets_settles_under_it_with_inputs_in_host_memory",),
     ),
     # -- replan.py: a new shape of work
     Mutant(
