@@ -20,7 +20,14 @@ The core package never imports from here; this package imports the core.
 # Re-exported objects are the modules' own (not copies): tests register presets with
 # ``monkeypatch.setitem(bench.PRESETS, ...)`` and the runner must see them.
 from lightning_ac.bench.cli import main
-from lightning_ac.bench.modes import ACCELERATOR_SUITE_MODES, BUDGET_MODES, LAYER_OFFLOAD_MODES, MODES, availability
+from lightning_ac.bench.modes import (
+    ACCELERATOR_SUITE_MODES,
+    ALL_BUDGET_MODES,
+    BUDGET_MODES,
+    LAYER_OFFLOAD_MODES,
+    MODES,
+    availability,
+)
 from lightning_ac.bench.plot import label_offsets, plot
 from lightning_ac.bench.presets import PRESETS
 from lightning_ac.bench.run import Row, run_benchmark
@@ -28,6 +35,7 @@ from lightning_ac.bench.tables import fastest_fixed_mode, results_markdown
 
 __all__ = [
     "ACCELERATOR_SUITE_MODES",
+    "ALL_BUDGET_MODES",
     "BUDGET_MODES",
     "LAYER_OFFLOAD_MODES",
     "MODES",

@@ -49,7 +49,7 @@ from lightning_ac.budget.report import BudgetReport
 from lightning_ac.budget.settings import BudgetSettings
 from lightning_ac.budget.state import SavedPlan
 from lightning_ac.budget.switch import LayerSwitch
-from lightning_ac.budget.tools import BudgetTools, HeadTime
+from lightning_ac.budget.tools import BudgetTools, TailTime
 from lightning_ac.memory import measure_step  # the benchmark's and the main job's measurement: the same peak
 from lightning_ac.selective.policy import SelectivePolicy
 from lightning_ac.units import format_bytes
@@ -98,8 +98,8 @@ class BudgetController(FigureBook, Planning, Replans, SavedPlan, BudgetReport, B
         self.tools = tools or (lambda: ())  # type: ignore[method-assign]
         self.turned_on: List[str] = []  # the tools turned on, in order
         self.weighed: set = set()  # the tools weighed (on or off since)
-        self.head_time = HeadTime()  # the output head's time in the last measuring step
-        self._head_clock: Any = None
+        self.tail_time = TailTime()  # the last measuring step's time from its last layer's forward to backward's end
+        self._tail_clock: Any = None
         self.budget_bytes: Optional[int] = settings.budget_bytes
         self.device = device
         self.noun = noun

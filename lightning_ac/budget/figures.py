@@ -54,22 +54,27 @@ class FigureBook:
                 self._head_forward_peak = self._measurement.peak_so_far()
             self._measurement.restart_peak()
 
+    def after_backward(self) -> None:
+        """At backward's end: the time since the last layer's forward (:class:`~lightning_ac.budget.tools.TailTime`),
+        in a step the meter measures."""
+        if self._tail_clock is not None and self.meter.active:
+            self.tail_time.seconds = 0.0
+            self.meter.timer.stop(self._tail_clock, self.tail_time, "seconds")
+        self._tail_clock = None
+
     def _head_forward_starts(self) -> None:
         """After the last layer's forward in the measuring step: what follows until backward is the head's forward."""
         if self._measurement is not None:
             self._measurement.restart_peak()
             self._head_forward_peak = 0
-        self._head_clock = self.meter.timer.start()  # the head's time, for weighing the tools (budget/tools.py)
+        # from here to the end of backward: the output head and every layer's backward, for weighing the tools
+        self._tail_clock = self.meter.timer.start() if self.meter.active else None
 
     def _read_head_peak(self) -> None:
         """When backward reaches the layers in the measuring step: the peak since backward started is the output
         head's (every layer's input held)."""
         if self._measurement is not None:
             self._head_peak = self._measurement.peak_so_far()
-        if self._head_clock is not None:
-            self.head_time.seconds = 0.0
-            self.meter.timer.stop(self._head_clock, self.head_time, "seconds")
-            self._head_clock = None
 
     def _take_figures(self, readings: List[LayerReading], alike_times: bool = False) -> None:
         """The measured layers' figures, the bytes outside them and the head's. ``alike_times``: alike layers take

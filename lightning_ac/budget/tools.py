@@ -10,9 +10,11 @@ tiled MLP). A tool the block leaves to the budget is installed off, each model c
   yet is turned on and the next step measures again, every layer recomputed, as the first did: the figures change with
   the tool (the head's bytes, each layer's working set and time).
 - The two measured steps then give two plans, each the fastest under the budget by its own figures. The tool's own
-  time is what it adds outside the recomputes: the output head's time (from the last layer's forward to backward
-  reaching the layers) and the layers' forwards, measured in both steps; what it adds to a recompute is in the plan's
-  recompute time already. It stays on where its plan fits and steps faster (predicted: the plan's recompute and the
+  time is what it changes outside the layers' recomputes, in every step whatever the plan: the layers' forwards, and
+  the time from the last layer's forward to the end of backward (the output head's forward and backward, every
+  layer's backward) less the recomputes in it, measured in both steps; what it changes in a recompute is in the plan's
+  recompute time already. (A tiled MLP recomputes its tiles in the backward of a kept layer too: that is its own
+  time.) It stays on where its plan fits and steps faster (predicted: the plan's recompute and the
   tool's own time) by more than :data:`MIN_GAIN` of the recompute without it (less is the clock's noise, and off the
   step is the plain one), or where only its plan fits; else it is turned off again and the step measured without it is
   taken back. Either way one line says which and why, and the next tool is weighed the same way.
@@ -34,7 +36,7 @@ from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, 
 from lightning_ac.budget.measure import LayerReading
 from lightning_ac.budget.phase import MEASURE
 
-__all__ = ["BudgetTools", "HeadTime", "MIN_GAIN"]
+__all__ = ["BudgetTools", "MIN_GAIN", "TailTime"]
 
 # A tool stays on for speed only where its plan is predicted faster by more than this share of the recompute time
 # without it: two measured steps differ by the clock's noise, and a tool that gains nothing is better off.
@@ -42,8 +44,8 @@ MIN_GAIN = 0.10
 
 
 @dataclass
-class HeadTime:
-    """The output head's time in a measuring step: from the last layer's forward to backward reaching the layers."""
+class TailTime:
+    """A measuring step's time from its last layer's forward to the end of its backward."""
 
     seconds: float = 0.0
 
@@ -57,8 +59,7 @@ class _Weighed:
     outside_bytes: int
     head_bytes: int
     peak: int
-    head_seconds: float
-    forward_seconds: float
+    own_seconds: float  # the time the tool's own time is the difference of (see _own_seconds)
 
 
 class BudgetTools:
@@ -76,7 +77,7 @@ class BudgetTools:
     tools: Callable[[], Sequence[Any]] = staticmethod(lambda: ())  # type: ignore[assignment]
     turned_on: List[str]
     weighed: Set[str]
-    head_time: HeadTime
+    tail_time: TailTime
     _weighing: Optional[_Weighed] = None
 
     def _weigh_tools(self, peak: int, readings: List[LayerReading], fake: bool) -> Optional[int]:
@@ -98,8 +99,7 @@ class BudgetTools:
             self.outside_bytes,
             self.head_bytes,
             peak,
-            self.head_time.seconds,
-            sum(r.forward_seconds for r in readings),
+            self._own_seconds(readings),
         )
         self.weighed.add(tool.name)
         tool.active = True
@@ -115,8 +115,7 @@ class BudgetTools:
         before, self._weighing = self._weighing, None
         tool = before.tool
         with_tool = self._plan_measured(peak)
-        own_seconds = self.head_time.seconds - before.head_seconds
-        own_seconds += sum(r.forward_seconds for r in readings) - before.forward_seconds
+        own_seconds = self._own_seconds(readings) - before.own_seconds
         calibration = peak_without = before.peak
         calibration -= estimate(before.figures, self.choices, before.outside_bytes, before.head_bytes)[0]
         without = choose(
@@ -152,6 +151,12 @@ class BudgetTools:
         )
         rank_zero_info(f"budget: turning {tool.name} off again: {why}")
         return peak_without
+
+    def _own_seconds(self, readings: List[LayerReading]) -> float:
+        """What a measuring step spent outside its layers' recomputes, where a tool's own time lies: the layers'
+        forwards, and from the last layer's forward to backward's end less the recomputes."""
+        recomputes = sum(r.recompute_seconds for r in readings)
+        return sum(r.forward_seconds for r in readings) + self.tail_time.seconds - recomputes
 
     def _plan_measured(self, peak: int) -> LayerPlan:
         """The plan the figures of the measuring step just taken allow, calibrated on its measured ``peak``."""

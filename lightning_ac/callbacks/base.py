@@ -131,6 +131,8 @@ class SuiteCallback(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._is_first() and self._plan is not None and self._plan.verifier is not None:
             self._plan.verifier.check_gradients(trainer, pl_module)
+        if self._is_first() and self._plan is not None and self._plan.budget is not None:
+            self._plan.budget.after_backward()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
