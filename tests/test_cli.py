@@ -517,6 +517,21 @@ def test_the_budgets_first_plan_from_a_fake_step_in_the_main_job(tmp_path):
     assert summary["activation_checkpointing"]["budget_first_plan"] == "estimate"
 
 
+def test_the_one_knob_option_leaves_every_tool_to_the_budget(tmp_path):
+    """activation_checkpointing=auto: a budget (its YAML's size on the CPU), the save rules where they pay, and the
+    chunked loss, the tiled MLP and each layer's input in host memory left to the budget; on the CPU the last says it
+    frees nothing. The small model fits the size whole: nothing recomputed, nothing weighed."""
+    result = ok(train(tmp_path, "activation_checkpointing=auto"))
+    log = result.stdout + result.stderr
+    data = summary(tmp_path)
+    assert data["mode"] == "auto 100.00 MiB"
+    block = data["activation_checkpointing"]
+    assert block["budget"] == 100 * 2**20 and block["offload"]["hidden_states"] == "auto"
+    assert block["chunked_loss"]["budget_decides"] and block["tiled_mlp"]["budget_decides"]
+    assert data["budget"]["settled"] and data["budget"]["choices"] == ["keep"] * 2
+    assert "frees nothing on the device" in log and "weighing" not in log
+
+
 @pytest.mark.parametrize(
     "override, words",
     [

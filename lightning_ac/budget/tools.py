@@ -29,7 +29,7 @@ turned on only where nothing fits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 from lightning_ac._logging import rank_zero_info
 from lightning_ac.budget.choice import Choice, LayerFigures, LayerPlan, choose, estimate
@@ -84,8 +84,9 @@ class BudgetTools:
         """After a measuring step (its figures taken): end the weighing of a tool, and start the next one's where the
         plan recomputes anything. Returns the measured peak the plan is chosen from (the step without the tool's,
         where that one was taken back), or ``None`` where the next step measures with another tool on."""
+        own_seconds = self._own_seconds(readings)
         if self._weighing is not None:
-            peak = self._end_weighing(peak, readings)
+            peak, own_seconds = self._end_weighing(peak, own_seconds)
         tool = None if fake else next((t for t in self._undecided() if t.name not in self.weighed), None)
         if tool is None:
             return peak
@@ -99,7 +100,7 @@ class BudgetTools:
             self.outside_bytes,
             self.head_bytes,
             peak,
-            self._own_seconds(readings),
+            own_seconds,
         )
         self.weighed.add(tool.name)
         tool.active = True
@@ -108,14 +109,15 @@ class BudgetTools:
         self._measure_again()
         return None
 
-    def _end_weighing(self, peak: int, readings: List[LayerReading]) -> int:
+    def _end_weighing(self, peak: int, own_seconds: float) -> Tuple[int, float]:
         """Keep the tool weighed on where its plan fits and is faster, or where only its plan fits; else turn it off
-        and take back the step measured without it."""
+        and take back the step measured without it. Returns the measured peak and the time outside the recomputes
+        (:meth:`_own_seconds`) of the step whose figures are kept: the next tool is weighed against that step."""
         assert self._weighing is not None and self.budget_bytes is not None
         before, self._weighing = self._weighing, None
         tool = before.tool
         with_tool = self._plan_measured(peak)
-        own_seconds = self._own_seconds(readings) - before.own_seconds
+        tool_seconds = own_seconds - before.own_seconds
         calibration = peak_without = before.peak
         calibration -= estimate(before.figures, self.choices, before.outside_bytes, before.head_bytes)[0]
         without = choose(
@@ -125,18 +127,18 @@ class BudgetTools:
             before.head_bytes,
             host_bytes=self.settings.host_bytes,
         )
-        seconds_with = with_tool.recompute_seconds + own_seconds
+        seconds_with = with_tool.recompute_seconds + tool_seconds
         faster = seconds_with < (1 - MIN_GAIN) * without.recompute_seconds
         if with_tool.fits and (not without.fits or faster):
             why = (
                 "only with it does a plan fit the budget"
                 if not without.fits
                 else f"its plan steps {1000 * (without.recompute_seconds - seconds_with):.1f} ms faster (recompute "
-                f"{1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * own_seconds:.1f} ms, against "
+                f"{1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * tool_seconds:.1f} ms, against "
                 f"{1000 * without.recompute_seconds:.1f} ms of recompute without it)"
             )
             rank_zero_info(f"budget: keeping {tool.name} on: {why}")
-            return peak
+            return peak, own_seconds
         tool.active = False
         self.turned_on.remove(tool.name)
         self.figures = list(before.figures)
@@ -147,10 +149,10 @@ class BudgetTools:
             "no plan fits the budget with it either"
             if not with_tool.fits
             else f"the plan with it is not predicted faster (recompute {1000 * without.recompute_seconds:.1f} ms, "
-            f"against {1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * own_seconds:.1f} ms with it)"
+            f"against {1000 * with_tool.recompute_seconds:.1f} ms and its own {1000 * tool_seconds:.1f} ms with it)"
         )
         rank_zero_info(f"budget: turning {tool.name} off again: {why}")
-        return peak_without
+        return peak_without, before.own_seconds
 
     def _own_seconds(self, readings: List[LayerReading]) -> float:
         """What a measuring step spent outside its layers' recomputes, where a tool's own time lies: the layers'
