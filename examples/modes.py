@@ -9,7 +9,8 @@ from typing import Any, Dict
 
 from omegaconf import OmegaConf
 
-from lightning_ac.config import AUTO, config_to_dict, parse_config
+from lightning_ac import ActivationCheckpointingConfig
+from lightning_ac.config import AUTO, config_to_dict, parse_budget
 from lightning_ac.offload.device import format_bytes
 
 OPTIONS = Path(__file__).resolve().parents[1] / "conf" / "activation_checkpointing"
@@ -28,16 +29,25 @@ OmegaConf.register_new_resolver("budget_on", _budget_on, replace=True)
 @functools.lru_cache(maxsize=1)
 def option_blocks() -> Dict[str, Dict[str, Any]]:
     """Each ``activation_checkpointing`` option's block, resolved as the job resolves it (schema defaults first)."""
+    schema = OmegaConf.structured(ActivationCheckpointingConfig)
     blocks = {}
     for path in sorted(OPTIONS.glob("*.yaml")):
         raw = OmegaConf.load(path)
         raw.pop("defaults", None)
         # an option's interpolations read the job's config (auto.yaml's budget reads trainer.accelerator): resolved
-        # here against a CPU trainer (a budget option's label takes the run's own budget), then parsed as the job
-        # parses a block, in the form config_to_dict gives
+        # against a CPU trainer (a budget option's label takes the run's own budget); a tool's "auto" is the mapping
+        # parsing makes of it
         with_trainer = OmegaConf.create({"trainer": {"accelerator": "cpu"}, "block": raw})
-        block = OmegaConf.to_container(with_trainer, resolve=True)["block"]
-        blocks[path.stem] = config_to_dict(parse_config(block))
+        raw = OmegaConf.create(OmegaConf.to_container(with_trainer, resolve=True)["block"])
+        for tool, size in (("chunked_loss", "chunk_tokens"), ("tiled_mlp", "tile_tokens")):
+            if raw.get(tool) == AUTO:
+                raw[tool] = {size: AUTO, "budget_decides": True}
+        # merged over the schema, an option is already in the form config_to_dict gives a parsed block, but for a
+        # budget's size, which parsing turns into bytes (the options are valid; the job parses the user's block once,
+        # and nothing else)
+        block = OmegaConf.to_container(OmegaConf.merge(schema, raw), resolve=True)
+        block["budget"] = parse_budget(block["budget"], f"{path.name}: budget")
+        blocks[path.stem] = block
     return blocks
 
 

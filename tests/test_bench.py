@@ -533,8 +533,15 @@ def test_the_vocabulary_rows_run_and_the_goals_are_checked_at_a_tiny_scale(tmp_p
     assert "| `full_chunked`'s step time at most 1.05x `full`'s | " in goals and "(one repetition) |" in goals
     assert "from full_chunked's peak to off_chunked's" in table
     verdicts = json.loads((tmp_path / "goals.json").read_text())
-    assert [v["goal"]["against"] for v in verdicts] == ["full", "full_no_head", "full", *["full_chunked"] * 2]
+    assert [v["goal"]["against"] for v in verdicts][:5] == ["full", "full_no_head", "full", *["full_chunked"] * 2]
     assert verdicts[1]["verdict"] == "met" and verdicts[1]["ratio"] <= 1.3
+    # the auto rows (issue 58): under their budgets, each with a step goal against the fastest fixed mode that fits
+    assert [v["goal"]["mode"] for v in verdicts[5:]] == ["auto_25", "auto_50", "auto_75"]
+    for verdict in verdicts[5:]:
+        mode = verdict["goal"]["mode"]
+        assert by[mode].peak_activation_bytes <= by[mode].budget_bytes, mode
+        fixed = bench.fastest_fixed_mode(rows, by[mode].budget_bytes)
+        assert verdict["goal"]["against"] == fixed.mode and verdict["goal"]["at_most"] == 1.05
 
 
 def test_goal_verdicts_say_met_missed_unmeasured_and_when_noise_could_turn_them():

@@ -53,15 +53,17 @@ class ActivationCheckpointing(SuiteCallback):
         chunked_loss: Compute a transformers causal-LM model's training loss a chunk of tokens at a time, so that
             the output head's logits never exist whole (for a real vocabulary they hold most of a step's activation
             memory): ``True`` (``chunk_tokens: auto``: chunks whose logits hold as many elements as the final hidden
-            states, at least 128 tokens), ``"auto"`` (on where ``budget`` needs it: :mod:`lightning_ac.budget.tools`)
+            states, at least 128 tokens), ``"auto"`` (on where ``budget`` needs it, or where a step measured with it
+            predicts a faster plan: :mod:`lightning_ac.budget.tools`)
             or ``{"chunk_tokens": N}`` (:class:`~lightning_ac.config.ChunkedLossConfig`). In those forwards the
             output's ``logits`` is ``None``. Applies with ``enabled=False`` too. See :mod:`lightning_ac.loss`.
         tiled_mlp: Run each decoder layer's MLP a tile of tokens at a time, saving only its input: in the backward each
             tile is recomputed and backpropagated at once, so the whole sequence's MLP intermediates (each ``tokens x
             intermediate_size``) never exist. ``True`` (``tile_tokens: auto``, the norms tiled too), ``"auto"`` (on
-            where ``budget`` needs it) or a mapping with ``tile_tokens``, ``norms`` and ``mlp_modules``
-            (:class:`~lightning_ac.config.TiledMLPConfig` says what each does). The MLP is the layer's ``mlp``; a sparse
-            mixture of experts is refused. Applies with ``enabled=False`` too. See :mod:`lightning_ac.tiled_mlp`.
+            where ``budget`` needs it or it predicts a faster plan, as ``chunked_loss``) or a mapping with
+            ``tile_tokens``, ``norms`` and ``mlp_modules`` (:class:`~lightning_ac.config.TiledMLPConfig` says what each
+            does). The MLP is the layer's ``mlp``; a sparse mixture of experts is refused. Applies with
+            ``enabled=False`` too. See :mod:`lightning_ac.tiled_mlp`.
         enabled: ``False`` recomputes no decoder layer (then ``chunked_loss`` and ``tiled_mlp`` are what the callback
             does).
         verbose: At fit start, print a table per decoder layer: recomputed or not, what SAC saves, what is
