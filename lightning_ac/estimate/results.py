@@ -46,6 +46,8 @@ class StepEstimate:
             there is (what measure_step reports on the CPU).
         flops: The step's floating-point operations: ``forward``, ``backward``, ``recompute`` (forward ops run again
             in backward), ``optimizer`` (counted for matmuls and attention: ``torch.utils.flop_counter``'s formulas).
+        ops: The ops the step dispatched, by phase (as ``flops``).
+        moved_bytes: What the ops without FLOPs (elementwise work: norms, activations, copies) wrote, by phase.
         seconds: Wall time of the fake step on this machine.
         fits: With a device size: whether ``device_total_bytes`` plus the margin fits it (the first size, when several
             were given); ``None`` without one.
@@ -79,6 +81,8 @@ class StepEstimate:
     fits_on: List[bool] = field(default_factory=list)
     margin_bytes: int = 0
     workspace_bytes: int = 0
+    ops: Dict[str, int] = field(default_factory=dict)
+    moved_bytes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def total_flops(self) -> int:

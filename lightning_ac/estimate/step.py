@@ -288,4 +288,6 @@ def _result(
         flops={phase.value: tracker.flops[phase] for phase in (Phase.FORWARD, Phase.HEAD, Phase.BACKWARD,
                                                              Phase.RECOMPUTE, Phase.OPTIMIZER)},
         seconds=seconds,
+        ops={phase.value: count for phase, count in tracker.ops.items()},
+        moved_bytes={phase.value: count for phase, count in tracker.moved.items()},
     )  # fmt: skip

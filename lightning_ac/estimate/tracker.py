@@ -104,6 +104,7 @@ class MemoryTracker(TorchDispatchMode):
             with offloading on: the offloaded copies and the streamed layers' copies are activations to it).
         weights_peak: The most bytes of streamed weights on the device after any op.
         flops: FLOPs per :class:`Phase`.
+        ops: Ops dispatched per :class:`Phase`; ``moved``: bytes the ops without FLOPs wrote (elementwise work).
         failed_op: The innermost op that raised last (an op fake tensors cannot run); :meth:`op_that_raised`
             tells whether it is what an exception came from.
         region: What the step's code is running now (the estimate sets it: a decoder layer's index, ``"outside"``,
@@ -129,6 +130,7 @@ class MemoryTracker(TorchDispatchMode):
         self.one_memory_peak = 0
         self.host_at_start = 0
         self.flops: Dict[Phase, int] = {phase: 0 for phase in Phase}
+        self.ops, self.moved = {phase: 0 for phase in Phase}, {phase: 0 for phase in Phase}
         self.region: Any = "outside"
         self.region_live: Dict[Any, int] = {}
         self.head = False  # inside the output head's window (set by the estimate)
@@ -367,16 +369,19 @@ class MemoryTracker(TorchDispatchMode):
                 self.failed_op, self._failed_error = func, _signature(err)
             raise
         kind = self._tag if self._tag is not None else Kind.ACTIVATION
+        written = 0  # what the op wrote to new memory (a view writes nothing)
         for storage in _storages(out):
             entry = self._entries.get(id(storage))
             if entry is None or entry.ref() is not storage:
-                self._add(storage, kind)
+                written += self._add(storage, kind).nbytes
             elif entry.nbytes != self._bytes(storage):  # resized in place
                 self._set_bytes(entry)
         phase = self.phase()
         flops = self.flop_registry.get(func._overloadpacket)
         if flops is not None:
             self.flops[phase] += int(flops(*args, **kwargs, out_val=out))
+        self.ops[phase] += 1
+        self.moved[phase] += written if flops is None else 0
         self._update_peaks(phase)
         return out
 
