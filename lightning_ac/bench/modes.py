@@ -286,8 +286,8 @@ BUDGET_SETTLE_STEPS = 3
 # The same with chunked_loss, placed between off_chunked's and full_chunked's peaks.
 CHUNKED_BUDGET_MODES: Dict[str, float] = {f"{name}_chunked": fraction for name, fraction in BUDGET_MODES.items()}
 # The one knob (issue 58): the budget rows' budgets, with every tool left to the budget (the chunked loss, the tiled MLP
-# and each layer's input in host memory where the budget needs or gains by them). Weighing a tool takes a step each:
-# AUTO_SETTLE_STEPS warm-up steps.
+# and each layer's input in host memory where the budget needs or gains by them). Weighing takes a second measuring
+# step and a step for each tool: AUTO_SETTLE_STEPS warm-up steps.
 AUTO_MODES: Dict[str, float] = {"auto_25": 0.25, "auto_50": 0.5, "auto_75": 0.75}
 AUTO_BLOCK: Dict[str, Any] = {
     **BUDGET_BLOCK,
@@ -295,7 +295,7 @@ AUTO_BLOCK: Dict[str, Any] = {
     "tiled_mlp": "auto",
     "offload": {"hidden_states": "auto"},
 }
-AUTO_SETTLE_STEPS = 6
+AUTO_SETTLE_STEPS = 7
 ALL_BUDGET_MODES = {**BUDGET_MODES, **CHUNKED_BUDGET_MODES, **AUTO_MODES}
 MODES = {**SUITE_MODES, **BUDGET_MODES, **AUTO_MODES, **COMPILED_MODES, **ANCHORS, **COMPILED_ANCHORS}
 # Every mode this harness knows, whether or not it runs on this machine.

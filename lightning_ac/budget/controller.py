@@ -98,6 +98,7 @@ class BudgetController(FigureBook, Planning, Replans, SavedPlan, BudgetReport, B
         self.tools = tools or (lambda: ())  # type: ignore[method-assign]
         self.turned_on: List[str] = []  # the tools turned on, in order
         self.weighed: set = set()  # the tools weighed (on or off since)
+        self._measured_with: Dict[frozenset, int] = {}  # measuring steps per set of tools on
         self.tail_time = TailTime()  # the last measuring step's time from its last layer's forward to backward's end
         self._tail_clock: Any = None
         self.budget_bytes: Optional[int] = settings.budget_bytes

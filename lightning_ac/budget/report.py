@@ -121,5 +121,7 @@ class BudgetReport:
             "measured_peak_bytes": self.measured_peak,
             "settled": self.settled,
             "corrections": self.corrections,
+            "turned_on": list(self.turned_on),  # the tools the budget decides that are on, and those it weighed
+            "weighed": sorted(self.weighed),
             "line": self._summary() if self.budget_bytes is not None else None,
         }

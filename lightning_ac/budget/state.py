@@ -37,6 +37,9 @@ class SavedPlan:
             "choices": [c.value for c in self.choices],
             "settled": self.settled,
             "turned_on": list(self.turned_on),
+            # why each is on (its error notes say it), and what was weighed: a resumed run weighs none again
+            "turned_on_because": {t.name: t.turned_on_because for t in self.tools() if t.name in self.turned_on},
+            "weighed": sorted(self.weighed),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -60,7 +63,9 @@ class SavedPlan:
             return
         for name in state.get("turned_on", []):
             tools[name].active = True  # what was over the budget without it stays so: on from the first step
+            tools[name].turned_on_because = state.get("turned_on_because", {}).get(name, "needed")
         self.turned_on = list(state.get("turned_on", []))
+        self.weighed = set(state.get("weighed", self.turned_on))
         if not state.get("settled") or state.get("figures") is None:
             return  # saved before it settled: measuring again costs one step
         self.budget_bytes = state["budget_bytes"]

@@ -201,11 +201,12 @@ def merge_requests(
     if checkpointing is None:
         needs = offload.needs_checkpointing
         if needs:
-            arguments = ", ".join(f"{t}='cpu'" for t in needs)
+            arguments = ", ".join(f"{t}={str(getattr(offload, t))!r}" for t in needs)
+            add = "ActivationCheckpointing(budget=...)" if "auto" in arguments else "ActivationCheckpointing()"
             raise ConfigError(
                 f"ActivationOffload({arguments}) acts on checkpointed decoder layers, but the Trainer has no "
-                "ActivationCheckpointing. Add ActivationCheckpointing() to the callbacks, or use "
-                "ActivationOffload(all='cpu') to offload without recompute."
+                f"ActivationCheckpointing. Add {add} to the callbacks, or use ActivationOffload(all='cpu') to offload "
+                "without recompute."
             )
         base = ActivationCheckpointingConfig(enabled=False)
     else:

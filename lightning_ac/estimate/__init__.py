@@ -26,7 +26,7 @@ is made and freed. See :func:`estimate`; the modules, one job each:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -179,6 +179,8 @@ def estimate(
     devices: Optional[int] = None,
     adapter_dtype: Optional[str] = None,
     lora_dropout: float = 0.0,
+    plan_on: Optional[Tuple[str, Any]] = None,
+    host_memory: Optional[int] = None,
 ) -> Estimate:
     """Estimate every mode's memory for one training step of ``model`` at each length, on fake tensors.
 
@@ -239,6 +241,9 @@ def estimate(
         lora_dropout: LoRA's dropout (PEFT's ``lora_dropout``): each adapted linear keeps a dropped copy of its input
             and a mask, counted as ``target`` keeps it (CUDA a 1-byte mask per element, the CPU a full-size one:
             :mod:`~lightning_ac.estimate.dropout`).
+        plan_on: ``(name, GpuRates)``: with ``device_memory``, the block the memory budget would settle on for the
+            first device on that GPU, at each length (:mod:`~lightning_ac.estimate.gpu_plan`).
+        host_memory: With ``plan_on``: the host memory the offloaded inputs may hold (``None``: no limit).
 
     Returns:
         An :class:`Estimate`: a :class:`StepEstimate` per mode and length, the longest fits, and notes.
@@ -289,6 +294,10 @@ def estimate(
             f"--modes {budgets[0]} with --strategy {ranks.strategy}: the budget's plan is made for one device here. "
             "Leave it out of --modes; the other modes give each rank's figures."
         )
+    if plan_on is not None and (not memories or ranks.distributed):
+        raise EstimateError(
+            "--plan makes the budget's plan for one device: give --device-memory SIZE, and no --strategy"
+        )
     if budgets and not memories:
         raise EstimateError(
             f"--modes {budgets[0]}: the budget's plan is made for a device's memory; give --device-memory SIZE"
@@ -336,6 +345,12 @@ def estimate(
     for mode in chosen:
         for length in seqs:
             result.steps.append(run(mode, length))
+    for length in seqs if plan_on is not None else []:
+        from lightning_ac.estimate.gpu_plan import gpu_plan
+
+        gpu, rates = plan_on
+        args = (config, chosen_precision, training, length, batch, optimizer, target, memories[0], rates, gpu)
+        result.gpu_plans.append(gpu_plan(*args, host_bytes=host_memory, progress=progress))
     for name in budgets:
         for length in seqs:
             step, plans = budget_plans(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -22,8 +23,11 @@ from lightning_ac.estimate import (
     presets,
 )
 from lightning_ac.estimate.attention import ATTENTIONS
+from lightning_ac.estimate.gpu_plan import plan_markdown
 from lightning_ac.estimate.models import ADAPTER_DTYPES, LOSSES, parse_set
 from lightning_ac.estimate.render import markdown
+from lightning_ac.estimate.timing import GPUS, GpuRates
+from lightning_ac.units import size_from_text
 
 __all__ = ["main", "parser"]
 
@@ -177,6 +181,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", choices=("cuda", "cpu"), default="cuda", help="cuda rounds allocations to 512 bytes")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    plan = p.add_argument_group("the budget's plan on a GPU (--plan)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the block the memory budget would settle on for the first --device-memory on --gpu: per layer "
+        "keep / selective / recompute / recompute with the input in host memory, the chunked loss and the tiled MLP "
+        "weighed; its predicted device peak, host bytes and step against off's and full's",
+    )
+    plan.add_argument("--gpu", choices=sorted(GPUS), default=None, help="the GPU whose rates price the step")
+    plan.add_argument("--tflops", type=float, default=None, help="another GPU: its dense bf16 TFLOP/s")
+    plan.add_argument("--memory-gbps", type=float, default=None, help="another GPU: its memory bandwidth, GB/s")
+    plan.add_argument("--link-gbps", type=float, default=None, help="the host link, GB/s each way (a pinned copy)")
+    plan.add_argument(
+        "--host-memory", default=None, metavar="SIZE", help="the host memory the offloaded inputs may hold (256GiB)"
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -186,6 +205,25 @@ def parser() -> argparse.ArgumentParser:
         "length, per mode, with the devices' lines; needs matplotlib)",
     )
     return p
+
+
+def _plan_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple:
+    """``--plan``'s GPU (named, or its rates given; a name's rates may be overridden) and host memory."""
+    given = {"bf16_tflops": args.tflops, "memory_gbps": args.memory_gbps, "link_gbps": args.link_gbps}
+    if not args.plan:
+        if args.gpu or any(v is not None for v in given.values()) or args.host_memory:
+            p.error("--gpu, --tflops, --memory-gbps, --link-gbps and --host-memory go with --plan")
+        return None, None
+    if args.gpu is None and any(v is None for v in given.values()):
+        p.error(f"--plan needs --gpu ({', '.join(sorted(GPUS))}), or --tflops, --memory-gbps and --link-gbps")
+    base = GPUS[args.gpu] if args.gpu else GpuRates(0, 0, 0)
+    rates = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+    if min(rates.bf16_tflops, rates.memory_gbps, rates.link_gbps) <= 0:
+        p.error("--tflops, --memory-gbps and --link-gbps must be positive")
+    host = size_from_text(args.host_memory) if args.host_memory else None
+    if args.host_memory and host is None:
+        p.error(f"--host-memory {args.host_memory!r}: expected a size such as 256GiB")
+    return (args.gpu or "custom", rates), host
 
 
 def to_json(result: Estimate) -> dict:
@@ -229,6 +267,7 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
     if args.out is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--out plots with matplotlib, which is not installed: pip install 'lightning_ac[examples]'")
     started = time.perf_counter()
+    plan_on, host_memory = _plan_arguments(p, args)
     try:
         overrides = dict(parse_set(item) for item in args.sets)
         result = estimate(
@@ -258,11 +297,13 @@ def main(argv: Optional[List[str]] = None) -> Estimate:
             loss=args.loss,
             first_step=args.first_step,
             strategy=args.strategy,
+            plan_on=plan_on,
+            host_memory=host_memory,
             devices=args.devices,
         )
     except EstimateError as err:
         p.error(str(err))
-    print(markdown(result), end="")
+    print(markdown(result) + (plan_markdown(result.gpu_plans) if result.gpu_plans else ""), end="")
     print(cost_line(result, time.perf_counter() - started), file=sys.stderr)
     data = json.dumps(to_json(result), indent=2) + "\n"
     if args.json is not None:

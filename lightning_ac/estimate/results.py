@@ -133,6 +133,8 @@ class Estimate:
         budget_plans: With ``budget`` among the modes: the memory budget's plan for each device and length
             (:class:`lightning_ac.estimate.budget.BudgetPlan`).
         notes: What the figures do not see or assume, one sentence each.
+        gpu_plans: With ``plan_on``: the block the budget would settle on, per length
+            (:class:`~lightning_ac.estimate.gpu_plan.GpuPlan`).
     """
 
     model: str
@@ -148,6 +150,7 @@ class Estimate:
     search_steps: List[StepEstimate] = field(default_factory=list)
     budget_plans: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    gpu_plans: List[Any] = field(default_factory=list)
 
     def step(self, mode: str, seq: int) -> StepEstimate:
         """The estimate of ``mode`` at ``seq`` tokens."""

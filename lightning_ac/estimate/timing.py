@@ -29,6 +29,7 @@ __all__ = [
     "MEMORY_SHARE",
     "POLICY_SECONDS",
     "TRAFFIC",
+    "phase_seconds",
     "policy_ops",
     "step_seconds",
 ]
@@ -77,6 +78,13 @@ def policy_ops(step: StepEstimate, selective_share: float) -> int:
     """The ops the save rules' policy decides in ``step``: those of the forward and the recompute, for the share of
     the decoder layers that run under the rules (1 for a ``selective`` mode, 0 without)."""
     return int(selective_share * (step.ops.get("forward", 0) + step.ops.get("recompute", 0)))
+
+
+def phase_seconds(step: StepEstimate, rates: GpuRates, phase: str) -> float:
+    """The math and memory time of one phase of ``step`` (``forward``, ``head``, ``backward``, ``recompute``,
+    ``optimizer``) on a GPU of ``rates``."""
+    math = step.flops.get(phase, 0) / (rates.bf16_tflops * 1e12 * MATMUL_SHARE)
+    return math + TRAFFIC * step.moved_bytes.get(phase, 0) / (rates.memory_gbps * 1e9 * MEMORY_SHARE)
 
 
 def step_seconds(

@@ -118,6 +118,7 @@ class ChunkedLoss:
         self.chunk_tokens = chunk_tokens
         self.budget_decides = budget_decides
         self.active = not budget_decides  # the budget turns it on where its step needs it
+        self.turned_on_because = ""  # the budget's reason: "weighing", "faster" or "needed"
         self._models = [_Model(model, self.check(model)) for model in models]
         self._said_no_labels = False
         self.chunked_calls = 0  # training forwards whose loss was chunked
@@ -213,15 +214,23 @@ class ChunkedLoss:
         ):
             return
         if self.budget_decides:
-            # the user never wrote chunked_loss: true; the budget turned it on mid-run, where every layer recomputed
-            # was over it: off again, the step would go over the budget
-            why = (
-                "chunked_loss: auto, and the memory budget turned it on: even every layer recomputed was over the "
-                "budget"
-            )
-            fix = (
-                "or set chunked_loss: false and a larger budget (without the chunked loss this step's logits do not "
-                "fit it)"
+            # the user never wrote chunked_loss: true; the budget turned it on mid-run (budget/tools.py says why)
+            why, fix = {
+                "weighing": (
+                    "chunked_loss: auto, and the memory budget turned it on for a step to weigh it",
+                    "or set chunked_loss: false (the budget then chooses without it)",
+                ),
+                "faster": (
+                    "chunked_loss: auto, and the memory budget kept it on: its plan steps faster",
+                    "or set chunked_loss: false (the budget then chooses without it)",
+                ),
+            }.get(
+                self.turned_on_because,
+                (
+                    "chunked_loss: auto, and the memory budget turned it on: no plan fits the budget without it",
+                    "or set chunked_loss: false and a larger budget (without the chunked loss this step's logits do "
+                    "not fit it)",
+                ),
             )
         else:
             why = "chunked_loss is on"

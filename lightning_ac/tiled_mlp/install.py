@@ -192,6 +192,7 @@ class TiledMLP:
         self.tile_tokens = tile_tokens
         self.budget_decides = budget_decides
         self.active = not budget_decides  # the budget turns it on where its step needs it
+        self.turned_on_because = ""  # the budget's reason: "weighing", "faster" or "needed"
         self.mlps = [mlp for index, layer in enumerate(layers) for mlp in find_mlps(layer, index, mlp_modules)]
         self.layers = len(layers)
         self.norms = list(norms)

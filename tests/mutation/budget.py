@@ -14,7 +14,7 @@ SWITCH = "lightning_ac/budget/switch.py"
 W = "tests/test_budget_tools_weighing.py::"
 A = "tests/test_budget_offload_auto.py::"
 T = "tests/test_budget.py::"
-O = "tests/test_budget_offload_choice.py::"
+OC = "tests/test_budget_offload_choice.py::"
 C = "tests/test_budget_controller.py::"
 
 MUTANTS: List[Mutant] = [
@@ -73,21 +73,21 @@ MUTANTS: List[Mutant] = [
         "if held + working <= budget_bytes and host + layer_host <= room",
         "if held + working <= budget_bytes",
         "the offloaded inputs are not held against the host's room: more inputs offloaded than the host can hold",
-        (O + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
+        (OC + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
     ),
     Mutant(
         CHOICE,
         "_, _, _, choices = min(finishing, key=lambda entry: entry[:3])",
         "_, _, _, choices = min(finishing, key=lambda entry: (entry[0], entry[2]))",
         "at equal time, more inputs in host memory than needed (the least device bytes taken first)",
-        (O + "test_fully_hidden_copies_offload_only_the_inputs_the_budget_needs",),
+        (OC + "test_fully_hidden_copies_offload_only_the_inputs_the_budget_needs",),
     ),
     Mutant(
         CHOICE,
         "if at and times[at - 1] <= seconds:",
         "if times and min(times) <= seconds:",
         "a way that holds more on the device but less on the host is dropped: a fitting offload plan is missed",
-        (O + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
+        (OC + "test_the_choice_with_offloading_is_the_brute_force_optimum_under_a_host_limit",),
     ),
     # -- controller.py: the closed loop
     Mutant(
