@@ -92,6 +92,7 @@ def test_a_budget_over_offs_peak_turns_nothing_on(vocab_peaks):
     assert_same(vocab_peaks["off"], module, exact=True)
 
 
+@pytest.mark.slow  # four measuring steps (MemTracker) of cpu-small's model at 1,024 tokens: about a minute
 def test_tiled_mlp_auto_turns_on_where_only_tiling_fits(caplog):
     seq = 1024
     _, full_peak = run(SMALL_MODEL, seq, 256, [ActivationCheckpointing()])

@@ -47,6 +47,7 @@ def plan(config, device, host=None):
     return gpu_plan
 
 
+@pytest.mark.slow  # seven fake steps (about 15 s)
 def test_the_plan_is_the_fastest_tool_combination_that_fits_and_its_block_parses(config, capsys):
     found = main([
         "--model", config, "--seq", "1024", "--full-finetune", "--device-memory", "1.2GiB", "--modes", "off",

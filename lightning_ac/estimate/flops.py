@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Sequence
 
 import torch
 
-__all__ = ["attention_backward_flops", "attention_flops", "flop_registry"]
+__all__ = ["attention_backward_flops", "attention_flops", "count_work", "flop_registry"]
 
 
 def flop_registry() -> Dict[Any, Callable[..., int]]:
@@ -69,3 +69,13 @@ def _attention_dims(query: Sequence[int], key: Sequence[int], value: Sequence[in
             "(batch, heads, length, head dim; the key/value heads must divide the query heads)"
         )
     return b, h_q, s_q, d_q, s_k, d_v
+
+
+def count_work(tracker: Any, phase: Any, func: Any, args: Any, kwargs: Any, out: Any, written: int) -> None:
+    """An op's work in its phase, on ``tracker`` (:class:`~lightning_ac.estimate.tracker.MemoryTracker`): its FLOPs
+    (matmuls, attention: ``tracker.flop_registry``), one op, and what an op without FLOPs wrote (``written``)."""
+    flops = tracker.flop_registry.get(func._overloadpacket)
+    if flops is not None:
+        tracker.flops[phase] += int(flops(*args, **kwargs, out_val=out))
+    tracker.ops[phase] += 1
+    tracker.moved[phase] += written if flops is None else 0

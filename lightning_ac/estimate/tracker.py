@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ac.estimate.flops import count_work
+
 __all__ = ["Kind", "MemoryTracker", "Phase"]
 
 
@@ -377,11 +379,7 @@ class MemoryTracker(TorchDispatchMode):
             elif entry.nbytes != self._bytes(storage):  # resized in place
                 self._set_bytes(entry)
         phase = self.phase()
-        flops = self.flop_registry.get(func._overloadpacket)
-        if flops is not None:
-            self.flops[phase] += int(flops(*args, **kwargs, out_val=out))
-        self.ops[phase] += 1
-        self.moved[phase] += written if flops is None else 0
+        count_work(self, phase, func, args, kwargs, out, written)
         self._update_peaks(phase)
         return out
 
