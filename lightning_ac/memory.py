@@ -244,6 +244,8 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from lightning_ac.offload.device import on_simulated_host  # once, not per tensor in _track (a hot path)
+
     held = (_MemRefType.ACT, _MemRefType.TEMP)
 
     class FrozenAwareMemTracker(MemTracker):
@@ -279,8 +281,6 @@ def _tracker_class() -> type:
             self._optimizer_hook_handles = (handle, handle)
 
         def _track(self, reftype: Any, t: torch.Tensor) -> None:  # type: ignore[override]
-            from lightning_ac.offload.device import on_simulated_host
-
             if not on_simulated_host(t):  # the simulated device's host memory is not the device's
                 super()._track(reftype, t)
 

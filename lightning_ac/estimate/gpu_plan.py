@@ -116,6 +116,7 @@ def gpu_plan(
     rules_ratio = phase_seconds(selective, rates, "recompute") / full_recompute if full_recompute else 1.0
     rules_policy = POLICY_SECONDS * (selective.ops.get("forward", 0) + selective.ops.get("recompute", 0)) / layers
     link = CopyRates(rates.link_gbps * 1e9, rates.link_gbps * 1e9)
+    off_seconds, full_seconds = step_seconds(off, rates), step_seconds(full, rates)
     best: Optional[GpuPlan] = None
     least: Optional[GpuPlan] = None
     weighed: Dict[str, Optional[float]] = {}
@@ -151,8 +152,8 @@ def gpu_plan(
             device_total_bytes=figures.fixed_bytes + plan.peak_bytes,
             host_bytes=plan.host_bytes,
             step_seconds=base + plan.recompute_seconds,
-            off_seconds=step_seconds(off, rates),
-            full_seconds=step_seconds(full, rates),
+            off_seconds=off_seconds,
+            full_seconds=full_seconds,
             fits=plan.fits and budget > 0,
         )
         weighed[_label(chunked, tiled)] = found.step_seconds if found.fits else None
