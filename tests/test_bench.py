@@ -222,6 +222,59 @@ def test_budget_rows_hold_their_claims_on_a_tiny_model(tmp_path, monkeypatch):
     assert bench.fastest_fixed_mode(rows, full - 1) is None
 
 
+def test_a_budget_row_that_has_not_settled_when_its_timed_steps_begin_fails_and_says_why(tmp_path, monkeypatch):
+    """The rows' figures are their settled plan's: with no warm-up steps for the budget to settle in, the row fails
+    (its first measured step would be a checking one) instead of reporting a step it does not train with."""
+    tiny_preset(monkeypatch, hidden=64, seq=128)
+    monkeypatch.setattr(bench.run, "settle_steps", lambda mode: 0)
+    rows = bench.run_benchmark("tiny", ["off", "full", "budget_25"], steps=1)
+    status = {r.mode: r.status for r in rows}["budget_25"]
+    assert status.startswith("failed: NotSettled: the budget had not settled in the row's first 1 step (before"), status
+    assert "AUTO_SETTLE_STEPS" in status
+
+
+@pytest.mark.parametrize(
+    "summaries, message",
+    [
+        ([{"settled": True, "choices": ["keep"], "turned_on": []}] * 3, None),
+        (
+            [{"settled": False, "choices": ["keep"], "turned_on": []}],
+            "had not settled in the row's first 3 steps (before those it measures and times)",
+        ),
+        (
+            [
+                {"settled": True, "choices": ["keep"], "turned_on": []},
+                {"settled": True, "choices": ["recompute"], "turned_on": []},
+            ],
+            "changed in the timed steps (from layers k, tools [] to layers r, tools [])",
+        ),
+        (
+            [
+                {"settled": True, "choices": ["keep"], "turned_on": []},
+                {"settled": True, "choices": ["keep"], "turned_on": ["chunked_loss"]},
+            ],
+            "tools [] to layers k, tools ['chunked_loss']",
+        ),
+    ],
+)
+def test_the_settled_check_watches_the_plan_from_the_first_reported_step(summaries, message):
+    from types import SimpleNamespace
+
+    from lightning_ac.bench.settle import NotSettled, SettledCheck
+
+    checkpointing = SimpleNamespace(budget_plan=None)
+    check = SettledCheck(checkpointing, first_step=3)
+    check.on_train_batch_start(SimpleNamespace(global_step=2), None, None, 0)  # before: not looked at
+    try:
+        for step, summary in enumerate(summaries, start=3):
+            checkpointing.budget_plan = summary
+            check.on_train_batch_start(SimpleNamespace(global_step=step), None, None, 0)
+    except NotSettled as err:
+        assert message is not None and message in str(err), str(err)
+    else:
+        assert message is None
+
+
 def test_budget_option_runs_the_scaling_check(tmp_path, monkeypatch, capsys):
     tiny_preset(monkeypatch)
     bench.main(["--preset", "tiny", "--modes", "off", "full", "--budget-gib", "1", "--out", str(tmp_path)])

@@ -44,6 +44,7 @@ from lightning_ac.bench.modes import (
     warm_up_compiler,
 )
 from lightning_ac.bench.presets import PRESETS, build_model, model_config
+from lightning_ac.bench.settle import SettledCheck
 from lightning_ac.callbacks import ActivationOffload, callbacks_from_config
 
 __all__ = ["Row", "quiet", "release_mode", "run_benchmark"]
@@ -198,6 +199,7 @@ def _run_mode(
         model, callbacks = layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
     elif mode in ALL_BUDGET_MODES:
         callbacks, settle = callbacks_from_config(budget_block(mode, budget)), settle_steps(mode)
+        callbacks.append(SettledCheck(callbacks[0], first_step=1 + settle))
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     if mode in ALL_COMPILED and accelerator == "cpu":
@@ -224,8 +226,7 @@ def _run_mode(
     plan = callbacks[0].budget_plan if mode in ALL_BUDGET_MODES else None
     offload = next((cb for cb in callbacks if isinstance(cb, ActivationOffload)), None)
     moved = sum(target["bytes"] for target in offload.last_step.values()) if offload is not None else None
-    measured = _Measured(list(metrics.step_times), list(metrics.warmup_times), metrics.peak)
-    return measured, module.take_grads(), plan, moved
+    return _Measured(metrics.step_times, metrics.warmup_times, metrics.peak), module.take_grads(), plan, moved
 
 
 def release_mode(on_accelerator: bool) -> None:
