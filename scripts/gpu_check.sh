@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Time limits (s). The estimates run on the CPU beside the tests, so the two count once, as the longer.
-T_SETUP=30 T_ESTIMATES=110 T_TESTS=100 T_BENCH=160 T_LONGCTX=65 T_COMPILED=90 T_VERDICTS=10
+T_SETUP=30 T_ESTIMATES=100 T_TESTS=100 T_BENCH=200 T_LONGCTX=60 T_COMPILED=80 T_VERDICTS=10
 TOTAL=$(( T_SETUP + (T_ESTIMATES > T_TESTS ? T_ESTIMATES : T_TESTS) + T_BENCH + 2 * T_LONGCTX + T_COMPILED + T_VERDICTS ))
 LIMIT=540
 if (( TOTAL > LIMIT )); then
@@ -49,7 +49,8 @@ fi
 SEQ=32768
 SET=()
 LONGCTX_MODES=("offload_hidden+chunked_loss+tiled_mlp" "offload_hidden+chunked_loss")
-BENCH_MODES=(off full selective_attn torch_sac offload_hidden offload_all offload_only lora_full layer_offload)
+BENCH_MODES=(off full every_2 selective_attn torch_sac offload_hidden offload_all offload_only lora_full layer_offload
+  auto_25 auto_50 auto_75)
 COMPILED_MODES=(full_compiled selective_attn_compiled)
 BENCH_ARGS=(--preset gpu-8k)
 if (( DRY )); then
@@ -58,7 +59,7 @@ if (( DRY )); then
   SEQ=128
   SET=(--set num_hidden_layers=2 --set hidden_size=64 --set intermediate_size=128 --set num_attention_heads=4
        --set num_key_value_heads=2 --set vocab_size=256)
-  BENCH_MODES=(off full selective_attn torch_sac lora_full layer_offload)
+  BENCH_MODES=(off full every_2 selective_attn torch_sac lora_full layer_offload auto_25 auto_50 auto_75)
   echo '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256}' \
     >"$R/tiny_model.json"

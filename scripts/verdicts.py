@@ -1,10 +1,13 @@
-"""The GPU goals (issue 52) against what one GPU check measured: for each goal the measured figure, the target and
-pass or fail, as a Markdown table; a goal whose figure is missing says "not measured" and counts as not passed.
+"""The GPU goals (issues 52 and 58) against what one GPU check measured: for each goal the measured figure, the
+target and pass or fail, as a Markdown table; a goal whose figure is missing says "not measured" and counts as not
+passed.
 
     python scripts/verdicts.py RESULTS_DIR [-o verdicts.md]
 
 ``RESULTS_DIR`` is what ``scripts/gpu_check.sh`` writes (any file may be missing: a step that timed out or failed):
 
+- ``bench/goals.json``: the benchmark's own verdicts, of which the ``auto`` rows' (issue 58: each at most 1.05x the
+  step of the fastest fixed mode that fits its budget).
 - ``bench/results.json``, ``bench.log``: the gpu-8k benchmark (``python -m lightning_ac.bench``). A mode's step
   time is its row's ``step_time_s``; where the table was never written (a step killed at its limit), the median of
   the log's ``rep N MODE step X s`` lines. An offload row's copy floor (the bus time of the bytes it moves each way
@@ -39,6 +42,7 @@ LONGCTX_SEQ = 32768
 TILED = "offload_hidden+chunked_loss+tiled_mlp"
 UNTILED = "offload_hidden+chunked_loss"
 ESTIMATE_RANGE = (0.99, 1.05)
+AUTO_MODES = ("auto_25", "auto_50", "auto_75")
 _REP_LINE = re.compile(r"^rep \d+ (\S+)\s+step ([0-9.]+) s")
 # "30/41 tests collected (11 deselected)" with -m: 30 selected of 41
 _PYTEST_COUNT = re.compile(
@@ -49,6 +53,7 @@ __all__ = [
     "Figures",
     "Verdict",
     "evaluate",
+    "read_bench_goals",
     "read_bench_json",
     "read_bench_log",
     "read_estimates",
@@ -72,6 +77,7 @@ class Figures:
         estimates: (mode, tokens, qlora) -> the estimator's device total (bytes).
         tests: the gpu tests' counts by outcome (``passed``, ``failed``, ``errors``, ``skipped``, ``collected``);
             None where no summary line was found.
+        bench_goals: The benchmark's ``goals.json`` verdicts.
     """
 
     steps: Dict[str, float] = field(default_factory=dict)
@@ -80,6 +86,7 @@ class Figures:
     longctx: List[dict] = field(default_factory=list)
     estimates: Dict[Tuple[str, int, bool], int] = field(default_factory=dict)
     tests: Optional[Dict[str, int]] = None
+    bench_goals: List[dict] = field(default_factory=list)
 
     def add_bench_rows(self, rows: Iterable[dict]) -> None:
         """A benchmark ``results.json``'s rows; a mode already known keeps its figures."""
@@ -123,6 +130,11 @@ def _relative_grad(row: dict) -> Optional[float]:
 
 def read_bench_json(path: Path) -> List[dict]:
     """The rows of a benchmark ``results.json``; none where the file is missing."""
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def read_bench_goals(path: Path) -> List[dict]:
+    """The verdicts of a benchmark ``goals.json``; none where the file is missing."""
     return json.loads(path.read_text()) if path.is_file() else []
 
 
@@ -178,6 +190,7 @@ def read_figures(results: Path) -> Figures:
     for name in ("bench", "bench_compiled"):
         figures.add_bench_rows(read_bench_json(results / name / "results.json"))
         figures.add_bench_steps(read_bench_log(results / f"{name}.log"))
+    figures.bench_goals = read_bench_goals(results / "bench" / "goals.json")
     figures.longctx = read_longctx(results / "longctx.log")
     figures.estimates = read_estimates(results / "estimate.json")
     figures.tests = read_pytest_counts(results / "gpu_tests.log")
@@ -192,6 +205,23 @@ def _ratio_goal(figures: Figures, mode: str, against: str, limit: float, goal: s
         verdict.measured = f"{step:.3f} s / {reference:.3f} s = {ratio:.3f}x"
         verdict.passed = ratio <= limit
     return verdict
+
+
+def _auto_goals(figures: Figures) -> List[Verdict]:
+    """Each ``auto`` row against the fastest fixed mode that fits its budget, as the benchmark judged it."""
+    verdicts = []
+    for mode in AUTO_MODES:
+        verdict = Verdict(f"`{mode}` vs the fastest fixed mode that fits its budget (gpu-8k)", "<= 1.05x")
+        found = next((g for g in figures.bench_goals if g["goal"]["mode"] == mode), None)
+        if found is not None and found.get("ratio") is not None:
+            verdict.measured = (
+                f"{found['value']:.3f} s / {found['base']:.3f} s = {found['ratio']:.3f}x (`{found['goal']['against']}`"
+                + (f"; {found['noise']}" if found.get("noise") else "")
+                + ")"
+            )
+            verdict.passed = bool(found["met"])
+        verdicts.append(verdict)
+    return verdicts
 
 
 def _longctx_case(figures: Figures, mode: str, seq: int, qlora: bool = False) -> Optional[dict]:
@@ -266,7 +296,7 @@ def _gradient_goal(figures: Figures) -> Verdict:
 
 
 def evaluate(figures: Figures) -> List[Verdict]:
-    """Every goal of issue 52 against ``figures``, in the issue's order."""
+    """Every goal of issue 52 against ``figures``, in the issue's order, then issue 58's."""
     verdicts = _offload_only_goals(figures)
     verdicts.append(_ratio_goal(figures, "selective_attn", "torch_sac", 1.05, "`selective_attn` vs `torch_sac`"))
     verdicts.append(
@@ -285,6 +315,7 @@ def evaluate(figures: Figures) -> List[Verdict]:
     verdicts.append(tiled)
     verdicts += _estimate_goals(figures)
     verdicts.append(_gradient_goal(figures))
+    verdicts += _auto_goals(figures)
     return verdicts
 
 
@@ -301,7 +332,7 @@ def _tests_line(counts: Optional[Dict[str, int]]) -> str:
 
 def render(verdicts: Sequence[Verdict], tests: Optional[Dict[str, int]], source: str = "") -> str:
     """The Markdown page: the goals' table, how many passed, and the gpu tests' counts."""
-    lines = ["# GPU goals (issue 52)", ""]
+    lines = ["# GPU goals (issues 52 and 58)", ""]
     if source:
         lines += [f"Figures from `{source}`.", ""]
     lines += ["| goal | measured | target | verdict |", "|---|---|---|---|"]

@@ -85,6 +85,7 @@ def test_the_corpus_is_the_same_whatever_the_process_imported_or_replaced():
     assert int(alone.split()[0]) > 8 * 256 * 100, "100 steps of 8 x 256 bytes read each chunk at most once"
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_progress_off_a_terminal_is_a_line_a_step_with_the_time_left(tmp_path):
     """Without a terminal (a log, CI, this test) Lightning's progress bar prints nothing readable: the job logs a
     line every step, whatever print_every says, with the time a step takes and the time left."""
@@ -276,7 +277,7 @@ def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
     "overrides, fragments",
     [
         (["activation_checkpointing.offload.all=disk"], ["offload.all", "disk", "pending a fix"]),
-        (["report=no"], ["report: expected true or false, got 'no'"]),
+        pytest.param(["report=no"], ["report: expected true or false, got 'no'"], marks=pytest.mark.slow),
         (
             ["activation_checkpointing=full", "++activation_checkpointing.kwargs.every_n_layers=0"],
             ["every_n_layers", ">= 1"],
@@ -314,7 +315,9 @@ def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
         (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
-        (["progress=maybe"], ["progress: expected auto, bar or lines, got 'maybe'"]),
+        pytest.param(
+            ["progress=maybe"], ["progress: expected auto, bar or lines, got 'maybe'"], marks=pytest.mark.slow
+        ),
         pytest.param(
             ["+trainer.enable_progress_bar=true"],
             ["trainer.enable_progress_bar=True: the job's progress key chooses it. Set progress=bar"],
@@ -505,6 +508,7 @@ def test_a_sweep_over_budgets(tmp_path):
     assert float(rows[0]["peak_activation_bytes"]) < float(rows[1]["peak_activation_bytes"])
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_the_budgets_first_plan_from_a_fake_step_in_the_main_job(tmp_path):
     overrides = ("activation_checkpointing.budget=1GiB", "activation_checkpointing.budget_first_plan=estimate")
     result = ok(train(tmp_path, "activation_checkpointing=budget", *overrides))
@@ -554,6 +558,7 @@ def test_bad_budgets_stop_before_training(tmp_path, override, words):
         assert word in result.stderr, (word, result.stderr[-1500:])
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(tmp_path):
     modes = "estimate_modes=[off,full,'full+chunked_loss']"
     # lora.dropout: the job's LoRA dropout is the estimate's (each adapted linear keeps a dropped copy of its input)
@@ -589,6 +594,7 @@ def test_estimate_prints_the_table_for_the_configured_model_and_trains_nothing(t
     assert full["parameter_bytes"] == direct.step("full", 32).parameter_bytes
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_the_estimate_takes_the_trainers_precision_as_configured(tmp_path):
     """trainer=gpu trains in bf16-mixed: the estimate counts float32 weights under autocast, as the run holds them."""
     ok(train(tmp_path, "estimate=true", "trainer=gpu", "model.config.vocab_size=4096", "estimate_modes=[full]"))
@@ -661,9 +667,12 @@ def yaml_config(name: str) -> dict:
     [
         (["trainer.precision=transformer-engine"], "trainer.precision transformer-engine: NVIDIA Transformer"),
         (["lora.r=0"], "estimate=true: lora.r 0: expected a rank >= 1 (or lora.enabled=false)"),
-        (["estimate_modes=[nope]"], "estimate=true: estimate_modes nope: unknown mode"),
-        (["estimate_device_memory=lots"], "estimate=true: estimate_device_memory"),
-        (["estimate=maybe"], "estimate"),
+        # the rest: slow session (a process each)
+        pytest.param(
+            ["estimate_modes=[nope]"], "estimate=true: estimate_modes nope: unknown mode", marks=pytest.mark.slow
+        ),
+        pytest.param(["estimate_device_memory=lots"], "estimate=true: estimate_device_memory", marks=pytest.mark.slow),
+        pytest.param(["estimate=maybe"], "estimate", marks=pytest.mark.slow),
     ],
 )
 def test_bad_estimate_values_stop_with_the_key_and_the_fix(tmp_path, overrides, words):

@@ -606,7 +606,9 @@ def test_every_compile_route_is_seen_and_gets_the_compile_rules(small, route, fi
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("selective", [None, {"save": ["aten::mm"]}], ids=["full", "save_mm"])
+@pytest.mark.parametrize(
+    "selective", [None, pytest.param({"save": ["aten::mm"]}, marks=pytest.mark.slow)], ids=["full", "save_mm"]
+)  # save_mm: slow session
 def test_every_compile_route_recomputes_inside_the_graphs(small, plain_route, route, selective):
     # before, selective crashed inside dynamo on these routes (the eager policy inside the compiled region)
     reference, reference_graphs = plain_route(route)
@@ -672,7 +674,9 @@ def fit_at(base, where: str, seq: int, callbacks=(), own_checkpointing: bool = F
     return module
 
 
-@pytest.mark.parametrize("where, seq", [("layer", 64), ("model", 32), ("model", 64)])
+@pytest.mark.parametrize(
+    "where, seq", [("layer", 64), ("model", 32), pytest.param("model", 64, marks=pytest.mark.slow)]
+)
 def test_gradients_at_more_than_one_length(small, where, seq):
     # Per layer, bit for bit at every length measured (8 to 256 tokens). Whole model, bit for bit up to 32 tokens a
     # sequence; from 48 on, 13 of the 21 gradients differ: those backward reaches after the last layer's attention (its
@@ -727,7 +731,7 @@ class ChunkedCalls(pl.Callback):
         self.calls = block.plan.chunked_loss.chunked_calls
 
 
-@pytest.mark.parametrize("where", ["layer", "model"])
+@pytest.mark.parametrize("where", ["layer", pytest.param("model", marks=pytest.mark.slow)])
 def test_the_chunked_loss_under_a_compiled_model(base, where):
     # per layer, the head and the loss stay eager; whole model, dynamo breaks its graph at the head, whose chunks run
     # eagerly (their logits never exist whole): the same losses and gradients as the same chunks uncompiled

@@ -88,6 +88,7 @@ def test_a_run_without_a_4_bit_base_does_not_import_bitsandbytes():
     assert "Failed to load" not in done.stderr and "kernels-community" not in done.stderr
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_a_4_bit_run_imports_bitsandbytes_without_its_warning():
     done = _run(*TINY_LLAMA, "--qlora")
     assert done.returncode == 0, done.stderr[-3000:]

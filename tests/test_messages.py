@@ -81,8 +81,16 @@ def _train(*overrides: str) -> subprocess.CompletedProcess:
     "override, expected",
     [
         ("activation_checkpointing.foo=1", "error: activation_checkpointing: unknown field(s) 'foo'. Valid fields"),
-        ("activation_checkpointing.offload.gpu=cpu", "error: activation_checkpointing.offload: unknown field(s)"),
-        ("activation_checkpointing.selective.saves=[attention]", "error: activation_checkpointing.selective: unknown"),
+        pytest.param(  # this and the next: slow session (a process each)
+            "activation_checkpointing.offload.gpu=cpu",
+            "error: activation_checkpointing.offload: unknown field(s)",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "activation_checkpointing.selective.saves=[attention]",
+            "error: activation_checkpointing.selective: unknown",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_an_unknown_field_in_a_hydra_override_is_named_in_the_blocks_terms(override, expected):

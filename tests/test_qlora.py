@@ -76,6 +76,7 @@ def test_a_4bit_base_streams_exactly(qlora, qlora_reference, others, transfer):
     assert all(p.quant_state.absmax.device.type == "cpu" for p in weights)
 
 
+@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_double_quantization_streams_the_nested_state(tmp_path, transfer):
     base = tiny_qlora_model(str(tmp_path), double_quant=True)
     reference = fit(clone(base), max_steps=2)

@@ -252,7 +252,7 @@ def test_the_budget_measures_the_smaller_layer_and_the_layer_table_says_so():
     assert not any("tiled" in row.saves for row in untiled.rows)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("enabled", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: slow session
 def test_the_tiled_mlp_trains_inside_layers_compiled_one_by_one(enabled):
     """Each decoder layer compiled (torchtitan's way): the compiled layers train as the same compiled layers
     without the tiled MLP, within float rounding."""

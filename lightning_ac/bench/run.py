@@ -44,7 +44,7 @@ from lightning_ac.bench.modes import (
     warm_up_compiler,
 )
 from lightning_ac.bench.presets import PRESETS, build_model, model_config
-from lightning_ac.bench.settle import SettledCheck
+from lightning_ac.bench.settle import MOST_EXTRA_STEPS, SettledCheck
 from lightning_ac.callbacks import ActivationOffload, callbacks_from_config
 
 __all__ = ["Row", "quiet", "release_mode", "run_benchmark"]
@@ -199,12 +199,13 @@ def _run_mode(
         model, callbacks = layer_offload_mode(model, LAYER_OFFLOAD_MODES[mode], on_host=accelerator == "cpu")
     elif mode in ALL_BUDGET_MODES:
         callbacks, settle = callbacks_from_config(budget_block(mode, budget)), settle_steps(mode)
-        callbacks.append(SettledCheck(callbacks[0], first_step=1 + settle))
     else:
         callbacks = callbacks_from_config(ALL_SUITE_MODES[mode])
     if mode in ALL_COMPILED and accelerator == "cpu":
         measure = False  # MemTracker cannot see inside compiled graphs (see COMPILED_MODES)
     metrics = StepMetrics(measure_step=1 + settle if measure else -1, warmup_steps=2 + settle)
+    if mode in ALL_BUDGET_MODES:  # more warm-up steps where its budget has not settled, and the run ends after them
+        callbacks, settle = [*callbacks, SettledCheck(callbacks[0], metrics, steps)], settle + MOST_EXTRA_STEPS
     module = _BenchModule(model, capture, capture_step=CAPTURE_STEP, loss=training_loss(mode))
     trainer = pl.Trainer(
         accelerator=accelerator,
@@ -395,6 +396,4 @@ def _rows(
 
 
 def _spread(medians: List[float]) -> Optional[float]:
-    if len(medians) < 2:
-        return None
-    return (max(medians) - min(medians)) / statistics.median(medians)
+    return (max(medians) - min(medians)) / statistics.median(medians) if len(medians) > 1 else None
