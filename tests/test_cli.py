@@ -175,7 +175,7 @@ def test_progress_auto_is_the_bar_on_a_terminal_and_lines_elsewhere():
             {"selective": {"save": ["attention"], "save_modules": ["o_proj"]}},
             "2/2",
         ),
-        (  # the tiled MLP on an option, as Hydra takes it (the MLP only, 8-token tiles)
+        pytest.param(  # the tiled MLP on an option, as Hydra takes it (the MLP only, 8-token tiles): slow session
             [
                 "activation_checkpointing=selective_attn",
                 "activation_checkpointing.tiled_mlp={tile_tokens:8,norms:false}",
@@ -185,6 +185,7 @@ def test_progress_auto_is_the_bar_on_a_terminal_and_lines_elsewhere():
                 "tiled_mlp": {"tile_tokens": 8, "norms": False, "mlp_modules": None},
             },
             "2/2",
+            marks=pytest.mark.slow,
         ),
         pytest.param(  # the same block as selective_attn, by another syntax: slow session only
             ["activation_checkpointing=full", "activation_checkpointing.selective=true"],
@@ -314,7 +315,11 @@ def test_layer_offloading_with_forced_copies_trains_as_without(tmp_path):
         ),
         # a value of the wrong type is ours to report (status 2), not a composition traceback
         (["activation_checkpointing.enabled=maybe"], ["activation_checkpointing.enabled", "'maybe'"]),
-        (["activation_checkpointing=schema"], ["schema is the fields every option extends", "off, offload_all"]),
+        pytest.param(
+            ["activation_checkpointing=schema"],
+            ["schema is the fields every option extends", "off, offload_all"],
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             ["progress=maybe"], ["progress: expected auto, bar or lines, got 'maybe'"], marks=pytest.mark.slow
         ),
