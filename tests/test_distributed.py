@@ -79,7 +79,6 @@ def test_budget_picks_one_plan_on_every_rank_under_ddp_and_fsdp2(tmp_path):
     assert logs.count("budget: the first plan, from the training step on fake tensors") == 1
 
 
-@pytest.mark.slow  # moved to the slow session to keep the default run under 15 minutes
 def test_the_estimate_per_rank_is_what_a_real_rank_holds_under_fsdp2_and_ddp(tmp_path):
     """``--strategy fsdp|ddp --devices 2``: the fake step of rank 0 on a fake process group holds what each rank of a
     real 2-process gloo run holds (tests/scripts/rank_memory.py), to the byte.
