@@ -143,3 +143,16 @@ def test_auto_is_for_hidden_states_only(target):
         parse_config({"budget": "1GiB", "offload": {target: "auto"}})
     with pytest.raises(ConfigError, match=rf"ActivationOffload\({target}=...\): 'auto' is for hidden_states only"):
         ActivationOffload(**{target: "auto"})
+
+
+def test_auto_beside_all_names_the_value_given_and_the_fix():
+    """The break-it pass: auto beside all: cpu was refused as "hidden_states: cpu", a value nobody set."""
+    from lightning_ac import callbacks_from_config
+
+    for make in (
+        lambda: callbacks_from_config({"budget": "100MiB", "offload": {"hidden_states": "auto", "all": "cpu"}}),
+        lambda: ActivationOffload(hidden_states="auto", all="cpu"),
+    ):
+        with pytest.raises(ConfigError, match=r"hidden_states: auto cannot be combined with all: cpu") as caught:
+            make()
+        assert "hidden_states: cpu" not in str(caught.value) and "Drop all: cpu" in str(caught.value)

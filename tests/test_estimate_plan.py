@@ -78,6 +78,10 @@ def test_without_host_room_no_input_is_offloaded(config):
         (["--plan"], "--plan needs --gpu"),
         (["--plan", "--gpu", "h200", "--host-memory", "lots"], "--host-memory 'lots'"),
         (["--plan", "--tflops", "100", "--memory-gbps", "0", "--link-gbps", "1"], "must be positive"),
+        # the break-it pass: NaN passed a "<= 0" test and priced every step at NaN; an infinite link hid every copy
+        (["--plan", "--gpu", "h100-pcie", "--tflops", "nan"], "must be positive and finite, got --tflops nan"),
+        (["--plan", "--gpu", "h100-pcie", "--memory-gbps", "nan"], "got --memory-gbps nan"),
+        (["--plan", "--gpu", "h100-pcie", "--link-gbps", "inf"], "got --link-gbps inf"),
     ],
 )
 def test_the_plan_arguments_are_checked_before_anything_runs(config, argv, message, capsys):

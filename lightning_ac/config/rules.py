@@ -11,6 +11,12 @@ __all__ = ["check_combination", "check_offload_targets"]
 def check_offload_targets(offload: OffloadConfig, where: str) -> None:
     """The rule between offload targets, for the block and for ``ActivationOffload`` alike."""
     if offload.hidden_states != Placement.none and offload.all != Placement.none:
+        if offload.hidden_states == Placement.auto:  # the budget would move inputs that all: cpu moves already
+            raise ConfigError(
+                f"{where}: hidden_states: auto cannot be combined with all: cpu, which already offloads each layer's "
+                "input: the budget would have no input left to decide on. Drop all: cpu for the budget to decide "
+                "where inputs go, or set hidden_states: none to offload everything."
+            )
         raise ConfigError(
             f"{where}: hidden_states: cpu cannot be combined with all: cpu, which already offloads each layer's "
             "input. Keep one of them."

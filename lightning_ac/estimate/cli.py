@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -218,8 +219,10 @@ def _plan_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         p.error(f"--plan needs --gpu ({', '.join(sorted(GPUS))}), or --tflops, --memory-gbps and --link-gbps")
     base = GPUS[args.gpu] if args.gpu else GpuRates(0, 0, 0)
     rates = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
-    if min(rates.bf16_tflops, rates.memory_gbps, rates.link_gbps) <= 0:
-        p.error("--tflops, --memory-gbps and --link-gbps must be positive")
+    flags = {"--tflops": rates.bf16_tflops, "--memory-gbps": rates.memory_gbps, "--link-gbps": rates.link_gbps}
+    bad = [f"{flag} {value}" for flag, value in flags.items() if not (math.isfinite(value) and value > 0)]
+    if bad:  # NaN passes a "<= 0" test, and would price every step at NaN
+        p.error(f"--tflops, --memory-gbps and --link-gbps must be positive and finite, got {', '.join(bad)}")
     host = size_from_text(args.host_memory) if args.host_memory else None
     if args.host_memory and host is None:
         p.error(f"--host-memory {args.host_memory!r}: expected a size such as 256GiB")
