@@ -188,7 +188,8 @@ class BudgetTools:
 
     def _plan_measured(self, peak: int) -> LayerPlan:
         """The plan the figures of the measuring step just taken allow, calibrated on its measured ``peak``."""
-        return self._plan(peak - self._estimate(self.choices, 0)[0])
+        assert self.figures is not None
+        return self._plan_at(self.figures, self.outside_bytes, self.head_bytes, peak, 1.0)
 
     def _turn_on_a_tool(self, why: str) -> bool:
         """Turn on the first tool the budget decides that is still off, and measure again; ``False`` if none is
