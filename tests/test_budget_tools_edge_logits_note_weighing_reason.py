@@ -15,40 +15,13 @@ under the budget. The advice ("set chunked_loss: false and a larger budget") sen
 they do not need.
 """
 
-import lightning
 import pytest
-import torch
-import transformers
+from budget_tools_cases import TinyLM, batches, cpu_trainer, tiny_llama
 
 from lightning_ac import ActivationCheckpointing
 
 
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=8000,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg).train()
-
-
-class Plain(lightning.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def training_step(self, b, i):
-        return self.model(input_ids=b, labels=b).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-class ReadsLogits(Plain):
+class ReadsLogits(TinyLM):
     def training_step(self, b, i):
         out = self.model(input_ids=b, labels=b)
         acc = (out.logits[:, :-1].argmax(-1) == b[:, 1:]).float().mean()
@@ -56,36 +29,17 @@ class ReadsLogits(Plain):
         return out.loss
 
 
-def _data(n):
-    g = torch.Generator().manual_seed(1)
-    return torch.utils.data.DataLoader(
-        [torch.randint(0, 8000, (1, 512), generator=g) for _ in range(n)], batch_size=None
-    )
-
-
-def _trainer(cb, steps):
-    return lightning.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-
-
 def test_logits_note_does_not_claim_every_layer_recomputed_was_over():
     # every layer recomputed, no chunked loss: its measured peak
     probe = ActivationCheckpointing(budget="1KiB")
     with pytest.warns(Warning):
-        _trainer(probe, 2).fit(Plain(_model()), _data(2))
+        cpu_trainer([probe], 2).fit(TinyLM(tiny_llama()), batches([512] * 2, 8000))
     full_peak = probe.budget_plan["measured_peak_bytes"]
     budget = int(full_peak * 1.05)  # every layer recomputed fits; keeping every layer does not
 
     ac = ActivationCheckpointing(budget=budget, chunked_loss="auto")
     with pytest.raises(TypeError) as info:
-        _trainer(ac, 4).fit(ReadsLogits(_model()), _data(4))
+        cpu_trainer([ac], 4).fit(ReadsLogits(tiny_llama()), batches([512] * 4, 8000))
     note = " ".join(getattr(info.value, "__notes__", []))
     assert "budget turned it on" in note  # the fix is there
     assert "every layer recomputed was over the budget" not in note, note

@@ -18,74 +18,19 @@ step with every layer recomputed. Either the sentence above is to go, or the res
 were off; as written, the docs promise the weighing and the run does not do it.
 """
 
-import logging
-import time
-import warnings
-
-import lightning
-import torch
-import transformers
+from budget_tools_cases import TinyLM, batches, cpu_trainer, suite_lines, tiny_llama
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ac import ActivationCheckpointing
 
 
-class LM(lightning.LightningModule):
-    stall_at = None
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=8000,
-        )
-        self.model = transformers.AutoModelForCausalLM.from_config(cfg).train()
-        self.calls = 0
-
-    def training_step(self, b, i):
-        out = self.model(input_ids=b, labels=b)
-        self.calls += 1
-        if self.calls == self.stall_at:
-            time.sleep(2.0)  # makes the step that weighs the tiled MLP slow: it is turned off again
-        return out.loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
 def _fit(tmp_path, steps, ckpt=None, stall_at=None):
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    log = logging.getLogger("lightning_ac")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.DataLoader(
-        [torch.randint(0, 8000, (1, 512), generator=g) for _ in range(12)], batch_size=None
-    )
     ac = ActivationCheckpointing(budget="15MiB", chunked_loss="auto", tiled_mlp="auto")
     mc = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1, save_top_k=0)
-    lm = LM()
-    lm.stall_at = stall_at
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lightning.Trainer(
-                accelerator="cpu",
-                max_steps=steps,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[ac, mc],
-            ).fit(lm, data, ckpt_path=ckpt)
-    finally:
-        log.removeHandler(handler)
+    # stall_at: makes the step that weighs the tiled MLP slow, so that it is turned off again
+    lm = TinyLM(tiny_llama(), stall_at=stall_at, stall=2.0)
+    with suite_lines() as lines:
+        cpu_trainer([ac, mc], steps, enable_checkpointing=True).fit(lm, batches([512] * 12, 8000), ckpt_path=ckpt)
     return ac, lines
 
 

@@ -16,78 +16,18 @@ the same: `python examples/train.py activation_checkpointing=auto` logged "keepi
 1775.1 ms faster (recompute 0.0 ms and its own -1292.3 ms, against 482.9 ms of recompute without it)".
 """
 
-import logging
 import re
-import time
-import warnings
 
-import lightning
-import torch
-import transformers
+from budget_tools_cases import TinyLM, batches, cpu_trainer, suite_lines, tiny_llama
 
 from lightning_ac import ActivationCheckpointing
 
 
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg).train()
-
-
-class LM(lightning.LightningModule):
-    stall = 0.0
-
-    def __init__(self):
-        super().__init__()
-        self.model = _model()
-        self.calls = 0
-
-    def training_step(self, b, i):
-        out = self.model(input_ids=b, labels=b)
-        self.calls += 1
-        if self.calls == 1:
-            time.sleep(self.stall)  # a one-off cost of the first step only (a metric's lazy set-up, a warm-up)
-        return out.loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
 def _run(kw, steps, stall=0.0):
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    log = logging.getLogger("lightning_ac")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.DataLoader(
-        [torch.randint(0, 256, (2, 256), generator=g) for _ in range(steps)], batch_size=None
-    )
     ac = ActivationCheckpointing(**kw)
-    lm = LM()
-    lm.stall = stall
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lightning.Trainer(
-                accelerator="cpu",
-                max_steps=steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[ac],
-            ).fit(lm, data)
-    finally:
-        log.removeHandler(handler)
+    with suite_lines() as lines:
+        model = TinyLM(tiny_llama(vocab_size=256, intermediate_size=256), stall_at=1, stall=stall)
+        cpu_trainer([ac], steps).fit(model, batches([256] * steps, 256, rows=2))
     return ac, lines
 
 

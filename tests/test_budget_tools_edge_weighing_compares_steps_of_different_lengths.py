@@ -15,70 +15,18 @@ stays on for the 1024-token batches that follow. (The next 1024-token batch is a
 measured", though 1024-token steps were measured before.)
 """
 
-import logging
 import re
-import warnings
 
-import lightning
-import torch
-import transformers
+from budget_tools_cases import TinyLM, batches, cpu_trainer, suite_lines, tiny_llama
 
 from lightning_ac import ActivationCheckpointing
 
 
-class LM(lightning.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=8000,
-        )
-        self.model = transformers.AutoModelForCausalLM.from_config(cfg).train()
-
-    def training_step(self, b, i):
-        return self.model(input_ids=b, labels=b).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
 def test_tool_weighed_on_a_shorter_batch_is_not_credited_with_the_difference():
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    log = logging.getLogger("lightning_ac")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    g = torch.Generator().manual_seed(1)
-    lengths = [
-        1024,
-        1024,
-        128,
-        1024,
-        1024,
-        1024,
-    ]  # 1 measures, 2 again (warm), 3 weighs the chunked loss, 4 the tiled MLP
-    data = torch.utils.data.DataLoader([torch.randint(0, 8000, (1, s), generator=g) for s in lengths], batch_size=None)
+    lengths = [1024, 1024, 128, 1024, 1024, 1024]  # 1 measures, 2 again (warm), 3 weighs the chunked loss, 4 the MLP
     ac = ActivationCheckpointing(budget="25MiB", chunked_loss="auto", tiled_mlp="auto")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lightning.Trainer(
-                accelerator="cpu",
-                max_steps=len(lengths),
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[ac],
-            ).fit(LM(), data)
-    finally:
-        log.removeHandler(handler)
+    with suite_lines() as lines:
+        cpu_trainer([ac], len(lengths)).fit(TinyLM(tiny_llama()), batches(lengths, 8000))
     # whatever was weighed on which step, no tool is credited with the difference between a short and a long step
     owns = [float(m) for line in lines for m in re.findall(r"its own (-?[\d.]+) ms", line)]
     assert all(own > -500.0 for own in owns), [line for line in lines if "budget:" in line]
