@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_ac.bench.presets import PRESETS
 from lightning_ac.estimate import estimate
 from lightning_ac.estimate.results import StepEstimate
 from lightning_ac.estimate.timing import GPUS, MATMUL_SHARE, MEMORY_SHARE, POLICY_SECONDS, TRAFFIC, step_seconds
@@ -29,16 +30,7 @@ H200_GPU_8K = {
     "offload_hidden": 0.187,
     "offload_all": 0.188,
 }
-GPU_8K = dict(
-    model_type="llama",
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=8192,
-)
+GPU_8K = dict(model_type="llama", **PRESETS["gpu-8k"]["model"])  # the model the H200 figures above ran
 
 
 def _step(**counts) -> StepEstimate:
